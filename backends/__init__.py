@@ -1,0 +1,89 @@
+"""Byte-level stores, opened from a URL: memory://?max_bytes=N or disk:///abs/dir?max_bytes=N."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from urllib.parse import SplitResult, parse_qsl, quote, unquote, urlsplit
+
+import platformdirs
+
+from backends.base import (
+    Backend,
+    BackendError,
+    Clock,
+    NamespacePurge,
+    StoreStats,
+    StoreStatsResult,
+)
+from backends.disk import DEFAULT_DISK_MAX_BYTES, DiskBackend
+from backends.memory import DEFAULT_MEMORY_MAX_BYTES, MemoryBackend
+
+__all__ = [
+    "Backend",
+    "BackendError",
+    "Clock",
+    "DiskBackend",
+    "MemoryBackend",
+    "NamespacePurge",
+    "StoreStats",
+    "StoreStatsResult",
+    "default_disk_url",
+    "open_backend",
+]
+
+_REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "redis+cluster"})
+
+
+def open_backend(url: str, *, clock: Clock = time.time) -> Backend:
+    """Build the backend a URL names; raises ValueError naming the URL when it is bad."""
+    parts = urlsplit(url)
+    if parts.scheme == "memory":
+        if parts.netloc or parts.path not in ("", "/"):
+            raise ValueError(f"backend URL {url!r}: memory takes no host or path (memory://)")
+        max_bytes = _max_bytes(url, parts, DEFAULT_MEMORY_MAX_BYTES)
+        return MemoryBackend(max_bytes=max_bytes, clock=clock)
+    if parts.scheme == "disk":
+        directory = _disk_directory(url, parts)
+        max_bytes = _max_bytes(url, parts, DEFAULT_DISK_MAX_BYTES)
+        return DiskBackend(directory, max_bytes=max_bytes, clock=clock)
+    if parts.scheme in _REDIS_SCHEMES:
+        raise ValueError(f"backend URL {url!r}: scheme {parts.scheme!r} is not yet supported")
+    raise ValueError(
+        f"backend URL {url!r}: unknown scheme {parts.scheme!r};"
+        " expected memory://?max_bytes=N or disk:///absolute/dir?max_bytes=N"
+    )
+
+
+def default_disk_url() -> str:
+    """The disk store under the user's cache directory, e.g. disk:///home/me/.cache/..."""
+    directory = Path(platformdirs.user_cache_dir("cacheproxy")).absolute() / "store"
+    return "disk://" + quote(directory.as_posix())
+
+
+def _disk_directory(url: str, parts: SplitResult) -> Path:
+    # disk://name/x would silently make "name" a host; insist on the three-slash form.
+    path = unquote(parts.path)
+    if parts.netloc or not path.startswith("/"):
+        raise ValueError(
+            f"backend URL {url!r}: the disk path must be absolute, written disk:///absolute/dir"
+        )
+    return Path(path)
+
+
+def _max_bytes(url: str, parts: SplitResult, default: int) -> int:
+    if parts.fragment:
+        raise ValueError(f"backend URL {url!r}: unexpected fragment #{parts.fragment}")
+    params = parse_qsl(parts.query, keep_blank_values=True)
+    names = [name for name, _ in params]
+    unknown = sorted(set(names) - {"max_bytes"})
+    if unknown:
+        raise ValueError(f"backend URL {url!r}: unknown parameter(s) {', '.join(unknown)}")
+    if len(names) > 1:
+        raise ValueError(f"backend URL {url!r}: max_bytes given more than once")
+    if not params:
+        return default
+    raw = params[0][1]
+    if not (raw.isascii() and raw.isdigit()) or int(raw) == 0:
+        raise ValueError(f"backend URL {url!r}: max_bytes must be a positive integer, got {raw!r}")
+    return int(raw)

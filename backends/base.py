@@ -1,0 +1,83 @@
+"""The byte-level storage contract: a narrow Backend protocol plus optional capabilities."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+Clock = Callable[[], float]
+"""Returns the current time in float seconds; injected so tests move time by hand."""
+
+
+class BackendError(Exception):
+    """A store failure (I/O, database); callers log it and treat it as a miss."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStatsResult:
+    """What a store holds, counting entries that expired but were not yet read."""
+
+    entries: int
+    bytes: int
+    max_bytes: int | None
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Bytes in, bytes out; encoding and cache rules live above this layer."""
+
+    async def get(self, key: str) -> bytes | None:
+        """The stored value, or None when missing or expired."""
+
+    async def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
+        """Store value under key; ttl is seconds from now, None means no expiry."""
+
+    async def delete(self, key: str) -> bool:
+        """Remove key; True when a live entry was removed."""
+
+    async def aclose(self) -> None:
+        """Release resources; safe to call more than once."""
+
+
+@runtime_checkable
+class NamespacePurge(Protocol):
+    """Optional capability: drop every key of the form "<namespace>/<rest>"."""
+
+    async def purge_namespace(self, namespace: str) -> int:
+        """Delete all keys starting with namespace + "/"; return how many were removed."""
+
+
+@runtime_checkable
+class StoreStats(Protocol):
+    """Optional capability: report the size of the store."""
+
+    async def stats(self) -> StoreStatsResult:
+        """Entry count, stored bytes (keys + values) and the bound."""
+
+
+def entry_size(key: str, value: bytes) -> int:
+    """Bytes an entry counts against max_bytes: UTF-8 key plus value."""
+    return len(key.encode()) + len(value)
+
+
+def expiry(now: float, ttl: float | None) -> float | None:
+    """Absolute expiry time for a ttl, or None; rejects non-positive or non-finite ttl."""
+    if ttl is None:
+        return None
+    if not math.isfinite(ttl) or ttl <= 0:
+        raise ValueError(f"ttl must be a positive finite number of seconds or None, got {ttl!r}")
+    return now + ttl
+
+
+def is_expired(expires_at: float | None, now: float) -> bool:
+    """True when an entry with this expiry time is dead at now."""
+    return expires_at is not None and expires_at <= now
+
+
+def check_max_bytes(max_bytes: int) -> int:
+    """Validate a size bound; it must be a positive int."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+        raise ValueError(f"max_bytes must be a positive integer, got {max_bytes!r}")
+    return max_bytes

@@ -1,0 +1,266 @@
+"""Persistent LRU store in SQLite (WAL), run on one dedicated worker thread."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+from backends.base import (
+    BackendError,
+    Clock,
+    StoreStatsResult,
+    check_max_bytes,
+    entry_size,
+    expiry,
+    is_expired,
+)
+
+DEFAULT_DISK_MAX_BYTES = 1024 * 1024 * 1024
+DB_FILENAME = "cache.sqlite3"
+_BUSY_TIMEOUT_S = 5.0
+_EVICT_BATCH = 64
+
+# The BLOB goes last so reading size/expires_at never walks a value's overflow pages.
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS entries (
+        key TEXT PRIMARY KEY,
+        size INTEGER NOT NULL,
+        expires_at REAL,
+        accessed_at REAL NOT NULL,
+        value BLOB NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS entries_by_access ON entries (accessed_at)",
+)
+
+_T = TypeVar("_T")
+
+
+class DiskBackend:
+    """SQLite store; every database call runs on the backend's single worker thread."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        max_bytes: int = DEFAULT_DISK_MAX_BYTES,
+        clock: Clock = time.time,
+    ) -> None:
+        self._directory = Path(directory)
+        if not self._directory.is_absolute():
+            raise ValueError(f"disk store directory must be absolute, got {str(directory)!r}")
+        self._max_bytes = check_max_bytes(max_bytes)
+        self._clock = clock
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheproxy-disk")
+        # Touched only on the worker thread; opened lazily so construction never blocks.
+        self._conn: sqlite3.Connection | None = None
+        self._bytes = 0
+        self._data_version: int | None = None
+        self._closed = False
+        self._close_done: asyncio.Future[None] | None = None
+
+    def __repr__(self) -> str:
+        return f"DiskBackend({str(self._directory)!r}, max_bytes={self._max_bytes})"
+
+    @property
+    def directory(self) -> Path:
+        """The directory holding the database file."""
+        return self._directory
+
+    @property
+    def max_bytes(self) -> int:
+        """The bound on stored keys + values."""
+        return self._max_bytes
+
+    async def get(self, key: str) -> bytes | None:
+        """The value, refreshing its recency; an expired row is deleted and misses."""
+        now = self._clock()
+        return await self._run(lambda conn: self._get(conn, key, now))
+
+    async def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
+        """Store value and evict least recently used rows; returns after the commit."""
+        now = self._clock()
+        expires_at = expiry(now, ttl)
+        await self._run(lambda conn: self._set(conn, key, value, expires_at, now))
+
+    async def delete(self, key: str) -> bool:
+        """Remove key; True only when the row was present and not expired."""
+        now = self._clock()
+        return await self._run(lambda conn: self._delete(conn, key, now))
+
+    async def purge_namespace(self, namespace: str) -> int:
+        """Delete every key starting with namespace + "/"; return how many were removed."""
+        return await self._run(lambda conn: self._purge(conn, namespace))
+
+    async def stats(self) -> StoreStatsResult:
+        """Rows and bytes held, including expired rows not yet read."""
+        return await self._run(self._stats)
+
+    async def aclose(self) -> None:
+        """Close the connection on its thread and stop the worker; idempotent."""
+        if self._close_done is None:
+            self._closed = True
+            loop = asyncio.get_running_loop()
+            self._close_done = loop.run_in_executor(self._executor, self._close_conn)
+            self._executor.shutdown(wait=False)
+        await self._close_done
+
+    # -- event-loop side ------------------------------------------------------------
+
+    async def _run(self, op: Callable[[sqlite3.Connection], _T]) -> _T:
+        if self._closed:
+            raise BackendError(f"{self!r} is closed")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._call, op)
+
+    # -- worker thread --------------------------------------------------------------
+
+    def _call(self, op: Callable[[sqlite3.Connection], _T]) -> _T:
+        try:
+            return op(self._connection())
+        except (sqlite3.Error, OSError) as exc:
+            raise BackendError(f"disk store {str(self._directory)!r}: {exc}") from exc
+
+    def _connection(self) -> sqlite3.Connection:
+        # A failed open is retried on the next call, so a transient fault heals itself.
+        if self._conn is None:
+            self._conn = self._open()
+            self._data_version = None
+        # data_version moves only on other connections' commits (say `cacheproxy purge`);
+        # recount then, so the running total never drifts from the table.
+        (version,) = self._conn.execute("PRAGMA data_version").fetchone()
+        if version != self._data_version:
+            (total,) = self._conn.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()
+            self._bytes, self._data_version = int(total), int(version)
+        return self._conn
+
+    def _open(self) -> sqlite3.Connection:
+        self._directory.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(
+            self._directory / DB_FILENAME, timeout=_BUSY_TIMEOUT_S, isolation_level=None
+        )
+        try:
+            (mode,) = conn.execute("PRAGMA journal_mode=WAL").fetchone()
+            if mode != "wal":
+                raise sqlite3.OperationalError(f"cannot enable WAL (journal_mode={mode})")
+            # NORMAL in WAL: a power cut may lose the last commits but never corrupts.
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA journal_size_limit=67108864")
+            for statement in _SCHEMA:
+                conn.execute(statement)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _close_conn(self) -> None:
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            conn.close()
+
+    def _get(self, conn: sqlite3.Connection, key: str, now: float) -> bytes | None:
+        row = conn.execute(
+            "SELECT value, size, expires_at FROM entries WHERE key = ?", (key,)
+        ).fetchone()
+        if row is None:
+            return None
+        value: bytes
+        value, size, expires_at = row
+        if is_expired(expires_at, now):
+            deleted = conn.execute(
+                "DELETE FROM entries WHERE key = ? AND expires_at <= ?", (key, now)
+            ).rowcount
+            if deleted:
+                self._bytes -= size
+            return None
+        conn.execute("UPDATE entries SET accessed_at = ? WHERE key = ?", (now, key))
+        return value
+
+    def _set(
+        self,
+        conn: sqlite3.Connection,
+        key: str,
+        value: bytes,
+        expires_at: float | None,
+        now: float,
+    ) -> None:
+        size = entry_size(key, value)
+        total = self._bytes
+        with _transaction(conn):
+            old = conn.execute("SELECT size FROM entries WHERE key = ?", (key,)).fetchone()
+            if old is not None:
+                # The old value is stale even if the new one is too big to keep.
+                conn.execute("DELETE FROM entries WHERE key = ?", (key,))
+                total -= old[0]
+            if size <= self._max_bytes:
+                conn.execute(
+                    "INSERT INTO entries (key, size, expires_at, accessed_at, value)"
+                    " VALUES (?, ?, ?, ?, ?)",
+                    (key, size, expires_at, now, value),
+                )
+                total = _evict(conn, total + size, self._max_bytes, keep=key)
+        self._bytes = total  # only after the commit, so a rollback leaves it right
+
+    def _delete(self, conn: sqlite3.Connection, key: str, now: float) -> bool:
+        with _transaction(conn):
+            row = conn.execute(
+                "SELECT size, expires_at FROM entries WHERE key = ?", (key,)
+            ).fetchone()
+            if row is None:
+                return False
+            conn.execute("DELETE FROM entries WHERE key = ?", (key,))
+        self._bytes -= row[0]
+        return not is_expired(row[1], now)
+
+    def _purge(self, conn: sqlite3.Connection, namespace: str) -> int:
+        # A key range instead of LIKE: it uses the primary key and needs no escaping.
+        bounds = (namespace + "/", namespace + "0")  # "0" is the code point after "/"
+        with _transaction(conn):
+            count, freed = conn.execute(
+                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries WHERE key >= ? AND key < ?",
+                bounds,
+            ).fetchone()
+            conn.execute("DELETE FROM entries WHERE key >= ? AND key < ?", bounds)
+        self._bytes -= freed
+        return int(count)
+
+    def _stats(self, conn: sqlite3.Connection) -> StoreStatsResult:
+        (count,) = conn.execute("SELECT COUNT(*) FROM entries").fetchone()
+        return StoreStatsResult(int(count), self._bytes, self._max_bytes)
+
+
+@contextmanager
+def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """BEGIN IMMEDIATE ... COMMIT, rolled back on any failure (including the commit)."""
+    # IMMEDIATE takes the write lock up front, so a read-then-write cannot hit SQLITE_BUSY midway.
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        # Some errors (disk full, I/O) already rolled back; a second ROLLBACK would mask them.
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
+def _evict(conn: sqlite3.Connection, total: int, max_bytes: int, *, keep: str) -> int:
+    """Delete least recently accessed rows (never keep) until total <= max_bytes."""
+    while total > max_bytes:
+        victims = conn.execute(
+            "SELECT key, size FROM entries WHERE key != ? ORDER BY accessed_at, rowid LIMIT ?",
+            (keep, _EVICT_BATCH),
+        ).fetchall()
+        if not victims:
+            break
+        for victim, size in victims:
+            conn.execute("DELETE FROM entries WHERE key = ?", (victim,))
+            total -= size
+            if total <= max_bytes:
+                break
+    return total

@@ -1,0 +1,110 @@
+"""In-process LRU store bounded by total bytes, with lazy expiry on read."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from backends.base import (
+    BackendError,
+    Clock,
+    StoreStatsResult,
+    check_max_bytes,
+    entry_size,
+    expiry,
+    is_expired,
+)
+
+DEFAULT_MEMORY_MAX_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    value: bytes
+    size: int
+    expires_at: float | None
+
+
+class MemoryBackend:
+    """LRU over an OrderedDict; nothing here awaits, so each call is atomic on the loop."""
+
+    def __init__(
+        self, *, max_bytes: int = DEFAULT_MEMORY_MAX_BYTES, clock: Clock = time.time
+    ) -> None:
+        self._max_bytes = check_max_bytes(max_bytes)
+        self._clock = clock
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._bytes = 0
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"MemoryBackend(max_bytes={self._max_bytes})"
+
+    @property
+    def max_bytes(self) -> int:
+        """The bound on stored keys + values."""
+        return self._max_bytes
+
+    async def get(self, key: str) -> bytes | None:
+        """The value, refreshing its recency; an expired entry is dropped and misses."""
+        self._check_open()
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if entry.expires_at is not None and is_expired(entry.expires_at, self._clock()):
+            self._remove(key)
+            return None
+        self._entries.move_to_end(key)
+        return entry.value
+
+    async def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
+        """Store value, evicting least recently used entries to stay under max_bytes."""
+        self._check_open()
+        expires_at = expiry(self._clock(), ttl)
+        # The old value is stale even if the new one is too big to keep.
+        self._remove(key)
+        size = entry_size(key, value)
+        if size > self._max_bytes:
+            return
+        self._entries[key] = _Entry(value, size, expires_at)
+        self._bytes += size
+        while self._bytes > self._max_bytes:
+            _, oldest = self._entries.popitem(last=False)
+            self._bytes -= oldest.size
+
+    async def delete(self, key: str) -> bool:
+        """Remove key; True only when the entry was present and not expired."""
+        self._check_open()
+        entry = self._remove(key)
+        return entry is not None and not is_expired(entry.expires_at, self._clock())
+
+    async def purge_namespace(self, namespace: str) -> int:
+        """Delete every key starting with namespace + "/"; return how many were removed."""
+        self._check_open()
+        prefix = namespace + "/"
+        doomed = [key for key in self._entries if key.startswith(prefix)]
+        for key in doomed:
+            self._remove(key)
+        return len(doomed)
+
+    async def stats(self) -> StoreStatsResult:
+        """Entries and bytes held, including expired entries not yet read."""
+        self._check_open()
+        return StoreStatsResult(len(self._entries), self._bytes, self._max_bytes)
+
+    async def aclose(self) -> None:
+        """Drop everything; later calls raise BackendError."""
+        self._closed = True
+        self._entries.clear()
+        self._bytes = 0
+
+    def _remove(self, key: str) -> _Entry | None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._bytes -= entry.size
+        return entry
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError(f"{self!r} is closed")

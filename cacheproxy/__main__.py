@@ -1,0 +1,5 @@
+"""`python -m cacheproxy`."""
+
+from cacheproxy.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,126 @@
+"""`cacheproxy` command line: serve, demo-model, fingerprint."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from cacheproxy import __version__
+from cacheproxy.settings import Settings, build_settings
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cacheproxy", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"cacheproxy {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI API with the cache in front")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--model", help="model directory or Hugging Face repo (default: demo)")
+    serve.add_argument("--model-id", dest="model_id", help="the name clients use")
+    serve.add_argument("--store", help="memory://, disk:///path (default: user cache dir)")
+    serve.add_argument("--sampling", choices=["force-greedy", "seeded", "bypass"])
+    serve.add_argument("--queue-size", dest="queue_size", type=int)
+    serve.add_argument("--generation-timeout", dest="generation_timeout", type=float)
+    serve.add_argument("--max-body-bytes", dest="max_body_bytes", type=int)
+    serve.add_argument("--default-max-tokens", dest="default_max_tokens", type=int)
+    serve.add_argument("--max-tokens-cap", dest="max_tokens_cap", type=int)
+    serve.add_argument("--device-scope", dest="device_scope", action="store_const", const=True)
+    serve.add_argument("--log-format", dest="log_format", choices=["auto", "json", "console"])
+    serve.add_argument("--log-level", dest="log_level")
+
+    demo = sub.add_parser("demo-model", help="write a copy of the bundled demo model")
+    demo.add_argument("--out", required=True, type=Path)
+    demo.add_argument("--quantize", type=int, choices=[4, 8])
+    demo.add_argument("--retrain", action="store_true", help="train from the recipe instead")
+    demo.add_argument("--steps", type=int, help="training steps with --retrain")
+
+    fpr = sub.add_parser("fingerprint", help="print the pinned configuration tuple as JSON")
+    fpr.add_argument("--model", help="model directory (default: the demo model)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script and of `python -m cacheproxy`."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            flags = {k: v for k, v in vars(args).items() if k != "command"}
+            return serve(build_settings(flags, os.environ))
+        if args.command == "demo-model":
+            return demo_model(args.out, args.quantize, args.retrain, args.steps)
+        return fingerprint(args.model)
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        print(f"cacheproxy: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def serve(settings: Settings) -> int:
+    """Run the server until SIGINT/SIGTERM."""
+    import uvloop
+
+    from cacheproxy import logs
+
+    logs.configure(fmt=settings.log_format, level=settings.log_level)
+    uvloop.run(_serve(settings))
+    return 0
+
+
+async def _serve(settings: Settings) -> None:
+    from aiohttp import web
+
+    from cacheproxy.app import create_app
+
+    runner = web.AppRunner(create_app(settings), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    print(f"cacheproxy serving {settings.served_model_id} on http://{settings.host}:"
+          f"{settings.port}/v1 (store {settings.store})", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def demo_model(out: Path, quantize: int | None, retrain: bool, steps: int | None) -> int:
+    """Write the demo model: a copy, a quantized copy, or a retrained one."""
+    from dataclasses import replace
+
+    from cacheproxy import demo_model as dm
+
+    if retrain:
+        if quantize is not None:
+            raise ValueError("--retrain and --quantize are separate steps")
+        recipe = dm.Recipe() if steps is None else replace(dm.Recipe(), steps=steps)
+        dm.train(out, recipe)
+    else:
+        if steps is not None:
+            raise ValueError("--steps needs --retrain")
+        dm.write_copy(out, quantize=quantize)
+    print(out)
+    return 0
+
+
+def fingerprint(model: str | None) -> int:
+    """Print the pinned configuration tuple and its digest."""
+    from cacheproxy import fingerprint as fp
+    from cacheproxy.demo_model import BUNDLED_MODEL
+    from cacheproxy.settings import DEMO_MODEL_ID
+
+    path = Path(model) if model else BUNDLED_MODEL
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+    result = fp.compute(model or DEMO_MODEL_ID, path)
+    print(json.dumps({"digest": result.digest, "fields": result.fields()}, indent=2))
+    return 0

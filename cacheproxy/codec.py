@@ -1,0 +1,120 @@
+"""The stored record: versioned msgpack with a checksum. The only serializer of the store."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import xxhash
+
+MAGIC = b"CPR"
+RECORD_VERSION = 1
+_HEADER = len(MAGIC) + 1 + 8
+
+
+class CorruptRecord(Exception):
+    """Bytes that do not decode to a valid record: treated as a miss and deleted."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log-probability and its top alternatives."""
+
+    token: int
+    text: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One streamed piece as generated: its text and the tokens that produced it."""
+
+    text: str
+    tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """A finished generation."""
+
+    chunks: tuple[Chunk, ...]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def text(self) -> str:
+        """The whole completion text."""
+        return "".join(c.text for c in self.chunks)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every generated token id, in order."""
+        return [t for c in self.chunks for t in c.tokens]
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """What the store keeps for one key: request, output, provenance."""
+
+    request: dict[str, Any]
+    output: Output
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+
+def _chunk_wire(c: Chunk) -> list[Any]:
+    lps = [[lp.token, lp.text, lp.logprob, [list(t) for t in lp.top]] for lp in c.logprobs]
+    return [c.text, list(c.tokens), lps]
+
+
+def _chunk(w: list[Any]) -> Chunk:
+    text, tokens, lps = w
+    logprobs = tuple(
+        TokenLogprob(t, s, lp, tuple((a, b, c) for a, b, c in top)) for t, s, lp, top in lps
+    )
+    return Chunk(text, tuple(tokens), logprobs)
+
+
+def encode(record: Record) -> bytes:
+    """Record -> bytes: magic, version, xxh3_64 checksum of the payload, msgpack payload."""
+    out = record.output
+    payload = msgpack.packb(
+        {
+            "request": record.request,
+            "output": {
+                "chunks": [_chunk_wire(c) for c in out.chunks],
+                "finish_reason": out.finish_reason,
+                "prompt_tokens": out.prompt_tokens,
+                "completion_tokens": out.completion_tokens,
+            },
+            "provenance": record.provenance,
+        },
+        use_bin_type=True,
+    )
+    return MAGIC + bytes([RECORD_VERSION]) + xxhash.xxh3_64_digest(payload) + payload
+
+
+def decode(data: bytes) -> Record:
+    """bytes -> Record; anything wrong raises CorruptRecord."""
+    if len(data) < _HEADER or data[: len(MAGIC)] != MAGIC:
+        raise CorruptRecord("bad magic")
+    if data[len(MAGIC)] != RECORD_VERSION:
+        raise CorruptRecord(f"unknown record version {data[len(MAGIC)]}")
+    payload = data[_HEADER:]
+    if xxhash.xxh3_64_digest(payload) != data[len(MAGIC) + 1 : _HEADER]:
+        raise CorruptRecord("checksum mismatch")
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        o = raw["output"]
+        output = Output(
+            chunks=tuple(_chunk(c) for c in o["chunks"]),
+            finish_reason=o["finish_reason"],
+            prompt_tokens=o["prompt_tokens"],
+            completion_tokens=o["completion_tokens"],
+        )
+        return Record(request=raw["request"], output=output, provenance=raw["provenance"])
+    except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+        raise CorruptRecord(f"undecodable payload: {exc}") from exc

@@ -1,0 +1,115 @@
+"""One rooted exception tree, rendered as OpenAI-shaped errors in one place."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class ProxyError(Exception):
+    """Root of every error that becomes an HTTP response."""
+
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    code: ClassVar[str | None] = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, object]:
+        """The OpenAI error object."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def headers(self) -> dict[str, str]:
+        """Extra response headers this error needs."""
+        return {}
+
+
+class InvalidRequest(ProxyError):
+    """Malformed JSON, wrong types, values out of range."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt (plus max_tokens) does not fit the model's context."""
+
+    code = "context_length_exceeded"
+
+
+class Unsupported(InvalidRequest):
+    """A valid OpenAI parameter this proxy does not serve."""
+
+    code = "unsupported_parameter"
+
+
+class ModelNotFound(ProxyError):
+    """The request names a model this proxy does not serve."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class RouteNotFound(ProxyError):
+    """No such endpoint."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class MethodNotAllowed(ProxyError):
+    """Endpoint exists, method does not."""
+
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(ProxyError):
+    """Request body over the configured limit."""
+
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class Overloaded(ProxyError):
+    """The generation queue is full."""
+
+    status = 503
+    type = "server_error"
+    code = "overloaded"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, round(self.retry_after)))}
+
+
+class GenerationTimeout(ProxyError):
+    """A generation ran past the per-request timeout."""
+
+    status = 504
+    type = "server_error"
+    code = "generation_timeout"
+
+
+class GenerationFailed(ProxyError):
+    """The runner failed while generating."""
+
+    status = 500
+    type = "server_error"
+    code = "generation_failed"

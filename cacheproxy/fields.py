@@ -1,0 +1,102 @@
+"""Typed readers for JSON request fields: explicit checks, errors that name the field."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from cacheproxy.errors import InvalidRequest
+
+MISSING: Any = object()
+
+
+def _bad(field: str, expected: str, value: object) -> InvalidRequest:
+    return InvalidRequest(
+        f"'{field}' must be {expected}, got {type(value).__name__}", param=field
+    )
+
+
+def number(
+    body: Mapping[str, Any], field: str, default: float, *, lo: float, hi: float
+) -> float:
+    """A finite number in [lo, hi]; null means the default."""
+    value = body.get(field)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad(field, "a number", value)
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise InvalidRequest(f"'{field}' must be between {lo} and {hi}", param=field)
+    return float(value)
+
+
+def integer(
+    body: Mapping[str, Any], field: str, default: int | None, *, lo: int, hi: int
+) -> int | None:
+    """An integer in [lo, hi]; a float with no fraction is accepted; null means the default."""
+    value = body.get(field)
+    if value is None:
+        return default
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(field, "an integer", value)
+    if not lo <= value <= hi:
+        raise InvalidRequest(f"'{field}' must be between {lo} and {hi}", param=field)
+    return value
+
+
+def boolean(body: Mapping[str, Any], field: str, default: bool) -> bool:
+    """A JSON boolean; null means the default."""
+    value = body.get(field)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(field, "a boolean", value)
+    return value
+
+
+def string(body: Mapping[str, Any], field: str, default: str | None = MISSING) -> str:
+    """A JSON string; required unless a default is given."""
+    value = body.get(field)
+    if value is None:
+        if default is MISSING or default is None:
+            raise InvalidRequest(f"'{field}' is required", param=field)
+        return default
+    if not isinstance(value, str):
+        raise _bad(field, "a string", value)
+    return value
+
+
+def obj(body: Mapping[str, Any], field: str) -> Mapping[str, Any]:
+    """A JSON object, or an empty one when absent."""
+    value = body.get(field)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _bad(field, "an object", value)
+    return value
+
+
+def stop_list(body: Mapping[str, Any], field: str = "stop") -> tuple[str, ...]:
+    """`stop` as a list of up to 4 non-empty strings (a lone string is merged in)."""
+    value = body.get(field)
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise _bad(field, "a string or a list of strings", value)
+    if len(items) > 4:
+        raise InvalidRequest(f"'{field}' takes at most 4 sequences", param=field)
+    if any(s == "" for s in items):
+        raise InvalidRequest(f"'{field}' sequences must not be empty", param=field)
+    return tuple(sorted(set(items)))
+
+
+def reject_if_set(body: Mapping[str, Any], field: str, why: str) -> None:
+    """Refuse a parameter this proxy cannot honour instead of silently ignoring it."""
+    from cacheproxy.errors import Unsupported
+
+    if body.get(field) not in (None, False, [], {}):
+        raise Unsupported(f"'{field}' is not supported: {why}", param=field)

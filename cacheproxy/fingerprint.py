@@ -1,0 +1,136 @@
+"""The pinned configuration tuple of the producer, and its digest.
+
+Every field that can change a generated answer is here: engine and mlx versions,
+weights content, quantization, config, tokenizer and chat template. The digest
+keys every cache entry, so a change of any field makes old entries unreachable.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import xxhash
+
+FINGERPRINT_SCHEMA = 1
+WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf", ".bin")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+CHUNK = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Fingerprint:
+    """The full pinned tuple; `digest` is what keys are namespaced by."""
+
+    engine: str
+    engine_version: str
+    mlx_version: str
+    model_id: str
+    model_path: str
+    weights_digest: str
+    quantization: dict[str, Any]
+    config_digest: str
+    tokenizer_digest: str
+    chat_template_digest: str
+    adapter_digest: str
+    device: str
+
+    @property
+    def digest(self) -> str:
+        """xxh3_128 over msgpack of the fields."""
+        packed = msgpack.packb([FINGERPRINT_SCHEMA, self.fields()], use_bin_type=True)
+        return xxhash.xxh3_128_hexdigest(packed)
+
+    def fields(self) -> dict[str, Any]:
+        """The fields as plain data."""
+        return asdict(self)
+
+
+def package_version(name: str) -> str:
+    """An installed distribution's version, or 'absent'."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def hash_files(paths: list[Path]) -> str:
+    """Content hash of files in the given order, each framed by its name and size."""
+    h = xxhash.xxh3_128()
+    for path in paths:
+        h.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+        with path.open("rb") as f:
+            while block := f.read(CHUNK):
+                h.update(block)
+    return h.hexdigest()
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """Every weight file of a model directory, in name order."""
+    return sorted(p for p in model_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+
+
+def quantization(config: dict[str, Any]) -> dict[str, Any]:
+    """Bits, group size and mode; mlx-lm writes both `quantization` and `quantization_config`."""
+    q = config.get("quantization") or config.get("quantization_config") or {}
+    return {
+        "bits": q.get("bits"),
+        "group_size": q.get("group_size"),
+        "mode": q.get("mode", "affine" if q else None),
+        "dtype": config.get("torch_dtype"),
+    }
+
+
+def chat_template_text(model_dir: Path) -> str:
+    """The chat template as the tokenizer will see it (inline or a .jinja file)."""
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text()
+    config_path = model_dir / "tokenizer_config.json"
+    if config_path.exists():
+        template = json.loads(config_path.read_text()).get("chat_template")
+        return json.dumps(template, sort_keys=True)
+    return ""
+
+
+def compute(
+    model_id: str,
+    model_dir: Path,
+    *,
+    adapter_dir: Path | None = None,
+    device: str = "",
+    engine_version: str | None = None,
+    mlx_version: str | None = None,
+) -> Fingerprint:
+    """Fingerprint a local model directory (versions are injectable for tests)."""
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    tokenizer_paths = [model_dir / n for n in TOKENIZER_FILES if (model_dir / n).exists()]
+    template = chat_template_text(model_dir)
+    adapters = sorted(adapter_dir.iterdir()) if adapter_dir else []
+    return Fingerprint(
+        engine="mlx-lm",
+        engine_version=engine_version or package_version("mlx-lm"),
+        mlx_version=mlx_version or package_version("mlx"),
+        model_id=model_id,
+        model_path=str(model_dir.resolve()),
+        weights_digest=hash_files(weight_files(model_dir)),
+        quantization=quantization(config),
+        config_digest=hash_files([config_path]),
+        tokenizer_digest=hash_files(tokenizer_paths),
+        chat_template_digest=xxhash.xxh3_128_hexdigest(template.encode()),
+        adapter_digest=hash_files([p for p in adapters if p.is_file()]) if adapters else "",
+        device=device,
+    )

@@ -1,0 +1,24 @@
+"""Cache keys: xxh3_128 over msgpack of (schema, fingerprint, endpoint, canonical request)."""
+
+from __future__ import annotations
+
+import msgpack
+import xxhash
+
+from cacheproxy.canonical import CanonicalRequest
+
+# Bump when the canonical form or the key layout changes: old entries become unreachable.
+KEY_SCHEMA = 1
+
+
+def make_key(request: CanonicalRequest, fingerprint: str, *, scope: str = "") -> str:
+    """`<fingerprint digest>/<request hash>`: prefixed by namespace so purges never scan others."""
+    payload = msgpack.packb(
+        [KEY_SCHEMA, fingerprint, request.endpoint, scope, request.wire()], use_bin_type=True
+    )
+    return f"{fingerprint}/{xxhash.xxh3_128_hexdigest(payload)}"
+
+
+def namespace_of(key: str) -> str:
+    """The fingerprint digest a key lives under."""
+    return key.partition("/")[0]

@@ -1,0 +1,97 @@
+"""The Runner protocol: one generation lane, a stream of chunks, then the finished Output."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from cacheproxy.canonical import CanonicalRequest, RunnerDefaults
+from cacheproxy.codec import Chunk, Output
+from cacheproxy.errors import GenerationFailed, ProxyError
+from cacheproxy.fingerprint import Fingerprint
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The end of a generation stream."""
+
+    output: Output
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """A generation that ended in an error."""
+
+    error: ProxyError
+
+
+Event = Chunk | Finished | Failed
+
+
+class Generation:
+    """A generation in progress: iterate its chunks; `output` is set once it finished."""
+
+    def __init__(self) -> None:
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self.output: Output | None = None
+        self.cancelled = False
+
+    def push(self, event: Event) -> None:
+        """Deliver an event from any thread."""
+        self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    def cancel(self) -> None:
+        """Ask the producer to stop at its next token (or not to start)."""
+        self.cancelled = True
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        """The chunks as they are generated; raises the runner's error if it failed."""
+        while True:
+            event = await self._events.get()
+            if isinstance(event, Chunk):
+                yield event
+            elif isinstance(event, Finished):
+                self.output = event.output
+                return
+            else:
+                raise event.error
+
+
+class Runner(Protocol):
+    """Anything that generates canonical requests one at a time."""
+
+    generations: int
+
+    def defaults(self) -> RunnerDefaults:
+        """The defaults filled into every canonical request."""
+        ...
+
+    def fingerprint(self) -> Fingerprint:
+        """The pinned configuration tuple of what generates now."""
+        ...
+
+    async def start(self) -> None:
+        """Load the model; called once by the app."""
+        ...
+
+    def generate(self, request: CanonicalRequest) -> Generation:
+        """Queue a generation; raises Overloaded when the lane's queue is full."""
+        ...
+
+    def lane_state(self) -> dict[str, int]:
+        """Queue depth and busy flag, for /health."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop the lane."""
+        ...
+
+
+def failure(exc: BaseException) -> Failed:
+    """Wrap an unexpected exception of a runner thread."""
+    if isinstance(exc, ProxyError):
+        return Failed(exc)
+    return Failed(GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}"))

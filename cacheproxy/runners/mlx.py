@@ -1,0 +1,243 @@
+"""In-process MLX runner: one worker thread owns the model; generations run one at a time.
+
+Every generation is the reproducible kind: a fresh KV cache (cold prefill), a fixed
+prefill step, batch of one, greedy unless an explicit seed asks for sampling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+from cacheproxy import fingerprint as fp
+from cacheproxy.canonical import CanonicalRequest, RunnerDefaults
+from cacheproxy.codec import Output, TokenLogprob
+from cacheproxy.errors import ContextLengthExceeded, Overloaded
+from cacheproxy.runners.assembler import Assembler
+from cacheproxy.runners.base import Finished, Generation, failure
+
+PREFILL_STEP = 512
+
+
+@dataclass(frozen=True, slots=True)
+class MlxOptions:
+    """Knobs of the in-process runner."""
+
+    model: str
+    model_id: str
+    queue_size: int = 64
+    default_max_tokens: int = 256
+    max_tokens_cap: int = 4096
+    device_scope: bool = False
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local directory as is; otherwise a Hugging Face repo through mlx-lm's own download."""
+    path = Path(model).expanduser()
+    if path.exists():
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        return path
+    if model.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model directory {model} does not exist")
+    from mlx_lm.utils import _download
+
+    return Path(_download(model))
+
+
+class MlxRunner:
+    """The in-process runner: mlx_lm.load, a single worker thread, a bounded queue."""
+
+    def __init__(self, options: MlxOptions) -> None:
+        self._options = options
+        self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-lane")
+        self._queued = 0
+        self._busy = False
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._fingerprint: fp.Fingerprint | None = None
+        self._defaults: RunnerDefaults | None = None
+        self.generations = 0
+
+    async def start(self) -> None:
+        """Load the model on the lane thread and fingerprint its files."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._lane, self._load)
+
+    def _load(self) -> None:
+        from mlx_lm import load
+
+        path = resolve_model_path(self._options.model)
+        loaded = load(str(path))
+        self._model, self._tokenizer = loaded[0], loaded[1]
+        config = json.loads((path / "config.json").read_text())
+        context = int(
+            config.get("max_position_embeddings")
+            or getattr(self._tokenizer, "model_max_length", 0)
+            or 4096
+        )
+        self._defaults = RunnerDefaults(
+            model_id=self._options.model_id,
+            aliases=frozenset({self._options.model, str(path)}),
+            max_tokens=min(self._options.default_max_tokens, context),
+            max_tokens_cap=self._options.max_tokens_cap,
+            context_length=context,
+        )
+        self._fingerprint = fp.compute(
+            self._options.model_id, path, device=_device() if self._options.device_scope else ""
+        )
+
+    def defaults(self) -> RunnerDefaults:
+        """Filled-in parameters; valid after start()."""
+        if self._defaults is None:
+            raise RuntimeError("runner not started")
+        return self._defaults
+
+    def fingerprint(self) -> fp.Fingerprint:
+        """The pinned tuple of the loaded model; valid after start()."""
+        if self._fingerprint is None:
+            raise RuntimeError("runner not started")
+        return self._fingerprint
+
+    def lane_state(self) -> dict[str, int]:
+        """Queued jobs and whether one is generating."""
+        return {"queued": self._queued, "busy": int(self._busy), "lanes": 1}
+
+    def generate(self, request: CanonicalRequest) -> Generation:
+        """Queue a generation on the lane; 503 when the queue is full."""
+        if self._queued >= self._options.queue_size:
+            raise Overloaded("the generation queue is full, retry later", retry_after=1.0)
+        generation = Generation()
+        self._queued += 1
+        future = asyncio.get_running_loop().run_in_executor(
+            self._lane, self._run, request, generation
+        )
+        future.add_done_callback(lambda _: self._dequeue())
+        return generation
+
+    def _dequeue(self) -> None:
+        self._queued -= 1
+
+    def _run(self, request: CanonicalRequest, generation: Generation) -> None:
+        if generation.cancelled:
+            return
+        self._busy = True
+        try:
+            generation.push(Finished(self._generate(request, generation)))
+        except Exception as exc:  # every failure reaches the waiting request
+            generation.push(failure(exc))
+        finally:
+            self._busy = False
+
+    def _prompt_ids(self, request: CanonicalRequest) -> list[int]:
+        tok = self._tokenizer
+        if request.endpoint == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return list(tok.encode(request.prompt, add_special_tokens=True))
+
+    def _generate(self, request: CanonicalRequest, generation: Generation) -> Output:
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+        from mlx_lm.models.cache import make_prompt_cache
+
+        prompt = self._prompt_ids(request)
+        context = self.defaults().context_length
+        if len(prompt) >= context:
+            raise ContextLengthExceeded(
+                f"the prompt is {len(prompt)} tokens; this model's context is {context} tokens",
+                param="messages" if request.endpoint == "chat" else "prompt",
+            )
+        self.generations += 1
+        sampler, processors = _sampling(request)
+        detok = self._tokenizer.detokenizer
+        detok.reset()
+        assembler = Assembler(request.stop)
+        eos = self._tokenizer.eos_token_ids
+        finish, count = "length", 0
+        steps = generate_step(
+            mx.array(prompt),
+            self._model,
+            max_tokens=min(request.max_tokens, context - len(prompt)),
+            sampler=sampler,
+            logits_processors=processors,
+            prompt_cache=make_prompt_cache(self._model),  # cold prefill, every time
+            prefill_step_size=PREFILL_STEP,
+        )
+        chunks = []
+        for step_token, logprobs in steps:
+            token = int(step_token)
+            if generation.cancelled:
+                finish = "cancelled"
+                break
+            if token in eos:
+                finish = "stop"
+                break
+            count += 1
+            detok.add_token(token)
+            lp = self._logprob(token, logprobs, request.top_logprobs) if request.logprobs else None
+            chunk = assembler.add(token, detok.last_segment, lp)
+            if chunk is not None:
+                chunks.append(chunk)
+                generation.push(chunk)
+            if assembler.stopped:
+                finish = "stop"
+                break
+        detok.finalize()
+        tail = assembler.finish(detok.last_segment)
+        if tail is not None:
+            chunks.append(tail)
+            generation.push(tail)
+        return Output(tuple(chunks), finish, len(prompt), count)
+
+    def _logprob(self, token: int, logprobs: Any, top: int) -> TokenLogprob:
+        import mlx.core as mx
+
+        decode = self._tokenizer.decode
+        alternatives: tuple[tuple[int, str, float], ...] = ()
+        if top:
+            ids = cast(list[int], mx.argsort(-logprobs)[:top].tolist())
+            alternatives = tuple((i, decode([i]), float(logprobs[i].item())) for i in ids)
+        return TokenLogprob(token, decode([token]), float(logprobs[token].item()), alternatives)
+
+    async def aclose(self) -> None:
+        """Stop accepting work and let the lane thread finish."""
+        self._lane.shutdown(wait=False, cancel_futures=True)
+
+
+def _sampling(request: CanonicalRequest) -> tuple[Any, list[Any]]:
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    s = request.sampling
+    if not s.is_greedy and s.seed is not None:
+        # Seeded on the one lane, batch of one: the sampled answer is reproducible.
+        mx.random.seed(s.seed % 2**64)
+    sampler = make_sampler(s.temperature, top_p=s.top_p if s.top_p < 1 else 0.0,
+                           min_p=s.min_p, top_k=s.top_k)
+    processors = make_logits_processors(
+        logit_bias=dict(request.logit_bias) or None,
+        repetition_penalty=request.repetition_penalty if request.repetition_penalty != 1 else None,
+        presence_penalty=request.presence_penalty or None,
+        frequency_penalty=request.frequency_penalty or None,
+    )
+    return sampler, processors
+
+
+def _device() -> str:
+    import platform
+
+    import mlx.core as mx
+
+    return f"{platform.system()}-{platform.machine()}-{mx.default_device()}"
+
+
+def monotonic_ms(start: float) -> float:
+    """Milliseconds since a monotonic start."""
+    return (time.monotonic() - start) * 1000

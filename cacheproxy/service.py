@@ -1,0 +1,173 @@
+"""CachingProxy: the order of operations for one request.
+
+1. The sampling policy decided (at parse time) whether the request is cacheable;
+   if not: generate through the runner, store nothing            -> BYPASS; reason
+2. key = make_key(canonical request, fingerprint digest)
+3. store.get(key): decode, check the record's canonical request  -> HIT
+   a store error is a miss (logged); a corrupt or foreign record is a miss, deleted
+4. flights.join(key): one fill per key; followers                 -> COALESCED
+   fill: re-check the store -> runner (one lane) -> store the record, only if the
+   generation finished normally and the fingerprint did not change meanwhile -> MISS
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgpack
+import structlog
+
+from backends.base import Backend, BackendError
+from cacheproxy import __version__, codec
+from cacheproxy.canonical import CanonicalRequest, Parsed
+from cacheproxy.errors import GenerationTimeout
+from cacheproxy.flights import Fill, Flight, Flights
+from cacheproxy.keys import make_key
+from cacheproxy.runners.base import Runner
+
+log = structlog.get_logger("cacheproxy.service")
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """Where an answer comes from: a stored record (HIT) or a flight (everything else)."""
+
+    status: str
+    reason: str
+    key: str
+    fingerprint: str
+    record: codec.Record | None = None
+    flight: Flight | None = None
+    age: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceOptions:
+    """Knobs of the orchestration."""
+
+    generation_timeout: float = 300.0
+
+
+class CachingProxy:
+    """Serve from the store, or fill it through the runner exactly once per key."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        store: Backend,
+        options: ServiceOptions,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.runner = runner
+        self.store = store
+        self.flights = Flights()
+        self._options = options
+        self._clock = clock
+        self.counters: dict[str, int] = {"store_errors": 0, "corrupt_records": 0}
+
+    async def answer(self, parsed: Parsed) -> Answer:
+        """Find or produce the answer to a parsed request (the order of operations above)."""
+        request = parsed.request
+        fingerprint = self.runner.fingerprint().digest
+        key = make_key(request, fingerprint)
+        decision = parsed.sampling.decision
+        if not decision.cacheable:
+            flight, _ = self.flights.join(key, self._fill(request, fingerprint, store=False),
+                                          shared=False)
+            return Answer("BYPASS", decision.reason, key, fingerprint, flight=flight)
+        record = await self._lookup(key, request)
+        if record is not None:
+            age = max(0.0, self._clock() - float(record.provenance.get("created_at", 0.0)))
+            return Answer("HIT", decision.reason, key, fingerprint, record=record, age=age)
+        flight, leader = self.flights.join(key, self._fill(request, fingerprint, store=True))
+        status = "MISS" if leader else "COALESCED"
+        return Answer(status, decision.reason, key, fingerprint, flight=flight)
+
+    async def _lookup(self, key: str, request: CanonicalRequest) -> codec.Record | None:
+        try:
+            data = await self.store.get(key)
+        except BackendError as exc:
+            self.counters["store_errors"] += 1
+            log.warning("store_get_failed", key=key[:16], error=str(exc))
+            return None
+        if data is None:
+            return None
+        try:
+            record = codec.decode(data)
+        except codec.CorruptRecord as exc:
+            await self._discard(key, f"corrupt record: {exc}")
+            return None
+        if msgpack.packb(record.request) != msgpack.packb(request.wire()):
+            await self._discard(key, "record holds another request")
+            return None
+        return record
+
+    async def _discard(self, key: str, why: str) -> None:
+        self.counters["corrupt_records"] += 1
+        log.warning("record_discarded", key=key[:16], why=why)
+        try:
+            await self.store.delete(key)
+        except BackendError as exc:
+            log.warning("store_delete_failed", key=key[:16], error=str(exc))
+
+    def _fill(
+        self, request: CanonicalRequest, fingerprint: str, *, store: bool
+    ) -> Fill:
+        async def fill(flight: Flight) -> None:
+            if store and (record := await self._lookup(flight.key, request)) is not None:
+                # Filled by a flight that finished between our lookup and our join.
+                for chunk in record.output.chunks:
+                    flight.publish(chunk)
+                flight.finish(record.output, from_store=True)
+                return
+            started = time.monotonic()
+            generation = self.runner.generate(request)
+            try:
+                async with asyncio.timeout(self._options.generation_timeout):
+                    async for chunk in generation.chunks():
+                        flight.publish(chunk)
+            except TimeoutError:
+                generation.cancel()
+                raise GenerationTimeout(
+                    f"generation exceeded {self._options.generation_timeout:g} s"
+                ) from None
+            except asyncio.CancelledError:
+                generation.cancel()
+                raise
+            output = generation.output
+            if output is None:
+                raise RuntimeError("runner ended without an output")
+            unchanged = self.runner.fingerprint().digest == fingerprint
+            if store and unchanged and output.finish_reason in ("stop", "length"):
+                ms = (time.monotonic() - started) * 1000
+                await self._store(flight.key, self._record(request, output, ms))
+            flight.finish(output)
+
+        return fill
+
+    def _record(self, request: CanonicalRequest, output: codec.Output, ms: float) -> codec.Record:
+        fp = self.runner.fingerprint()
+        provenance = {
+            "fingerprint": fp.digest,
+            "fingerprint_fields": fp.fields(),
+            "created_at": self._clock(),
+            "generation_ms": round(ms, 3),
+            "proxy_version": __version__,
+            "lane": "batch-of-one, cold prefill",
+        }
+        return codec.Record(request=request.wire(), output=output, provenance=provenance)
+
+    async def _store(self, key: str, record: codec.Record) -> None:
+        try:
+            await self.store.set(key, codec.encode(record))
+        except BackendError as exc:
+            self.counters["store_errors"] += 1
+            log.warning("store_set_failed", key=key[:16], error=str(exc))
+
+    async def aclose(self) -> None:
+        """Cancel fills in progress."""
+        await self.flights.aclose()

@@ -1,0 +1,89 @@
+"""One frozen Settings, built once: CLI flags > environment (CACHEPROXY_*) > defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from backends import default_disk_url
+from cacheproxy.demo_model import BUNDLED_MODEL
+from policies.sampling import SamplingMode
+
+DEMO_MODEL_ID = "cacheproxy-demo"
+ENV_PREFIX = "CACHEPROXY_"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    """Every knob of `cacheproxy serve`. Times are float seconds, sizes bytes."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    model: str = str(BUNDLED_MODEL)
+    model_id: str = ""
+    store: str = dataclasses.field(default_factory=default_disk_url)
+    sampling: SamplingMode = SamplingMode.FORCE_GREEDY
+    queue_size: int = 64
+    generation_timeout: float = 300.0
+    max_body_bytes: int = 1 << 20
+    default_max_tokens: int = 256
+    max_tokens_cap: int = 4096
+    device_scope: bool = False
+    log_format: str = "auto"
+    log_level: str = "info"
+
+    @property
+    def served_model_id(self) -> str:
+        """The model name clients use: explicit, the demo's name, or the model as given."""
+        if self.model_id:
+            return self.model_id
+        return DEMO_MODEL_ID if self.model == str(BUNDLED_MODEL) else self.model
+
+
+def _convert(field: dataclasses.Field[Any], raw: object) -> object:
+    kind = field.type if isinstance(field.type, str) else field.type.__name__
+    if not isinstance(raw, str):
+        return raw
+    try:
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+        if kind == "bool":
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        if kind == "SamplingMode":
+            return SamplingMode(raw)
+    except ValueError as exc:
+        raise ValueError(f"invalid value {raw!r} for setting '{field.name}': {exc}") from exc
+    return raw
+
+
+def build_settings(flags: Mapping[str, object], env: Mapping[str, str]) -> Settings:
+    """Merge explicit flags (None = not given) over CACHEPROXY_* variables over defaults."""
+    values: dict[str, object] = {}
+    for field in dataclasses.fields(Settings):
+        env_value = env.get(ENV_PREFIX + field.name.upper())
+        flag_value = flags.get(field.name)
+        chosen = flag_value if flag_value is not None else env_value
+        if chosen is not None:
+            values[field.name] = _convert(field, chosen)
+    settings = Settings(**values)  # type: ignore[arg-type]
+    validate(settings)
+    return settings
+
+
+def validate(settings: Settings) -> None:
+    """Reject settings that cannot work, with a message naming the setting."""
+    checks = {
+        "port": 0 <= settings.port <= 65535,
+        "queue_size": settings.queue_size >= 1,
+        "generation_timeout": settings.generation_timeout > 0,
+        "max_body_bytes": settings.max_body_bytes >= 1024,
+        "default_max_tokens": 1 <= settings.default_max_tokens <= settings.max_tokens_cap,
+        "log_format": settings.log_format in ("auto", "json", "console"),
+    }
+    for name, ok in checks.items():
+        if not ok:
+            raise ValueError(f"invalid value for setting '{name}': {getattr(settings, name)!r}")

@@ -1,0 +1,1 @@
+"""Pure cache decisions: no I/O, no event loop."""

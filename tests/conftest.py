@@ -1,0 +1,97 @@
+"""Shared fixtures: the real demo model through mlx_lm.load, real HTTP servers, the openai SDK."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import openai
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from backends import open_backend
+from backends.base import Backend
+from cacheproxy.app import create_app
+from cacheproxy.demo_model import BUNDLED_MODEL
+from cacheproxy.runners.mlx import MlxOptions, MlxRunner
+from cacheproxy.settings import DEMO_MODEL_ID, Settings
+from cacheproxy.state import PROXY
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest_asyncio.fixture(scope="session")
+async def runner() -> AsyncIterator[MlxRunner]:
+    """The bundled demo model, loaded once through mlx_lm.load."""
+    r = MlxRunner(MlxOptions(model=str(BUNDLED_MODEL), model_id=DEMO_MODEL_ID))
+    await r.start()
+    yield r
+    await r.aclose()
+
+
+@dataclass
+class Proxy:
+    """A running proxy: its URL, its app, and an openai client pointed at it."""
+
+    url: str
+    app: web.Application
+    client: openai.AsyncOpenAI
+    store: Backend
+
+    @property
+    def generations(self) -> int:
+        """How many generations the runner behind this proxy ran."""
+        return self.app[PROXY].runner.generations
+
+
+ProxyFactory = Callable[..., Awaitable[Proxy]]
+
+
+@pytest_asyncio.fixture
+async def make_proxy(runner: MlxRunner, tmp_path: Path) -> AsyncIterator[ProxyFactory]:
+    """Start proxies on real ports (aiohttp TestServer); all are stopped at teardown."""
+    servers: list[TestServer] = []
+    clients: list[openai.AsyncOpenAI] = []
+    stores: list[Backend] = []
+
+    async def start(
+        *, store: str = "memory://", the_runner: MlxRunner | None = None, **overrides: object
+    ) -> Proxy:
+        settings = replace(Settings(store=store, model=str(BUNDLED_MODEL)), **overrides)
+        backend = open_backend(settings.store)
+        stores.append(backend)
+        app = create_app(settings, runner=the_runner or runner, store=backend)
+        server = TestServer(app, host="127.0.0.1", port=free_port())
+        await server.start_server()
+        servers.append(server)
+        url = f"http://127.0.0.1:{server.port}"
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        clients.append(client)
+        return Proxy(url, app, client, backend)
+
+    yield start
+    for client in clients:
+        await client.close()
+    for server in servers:
+        await server.close()
+    for backend in stores:
+        await backend.aclose()
+
+
+@pytest.fixture
+def chat_body() -> dict[str, object]:
+    """A chat request the demo model answers in a sentence or two."""
+    return {"model": DEMO_MODEL_ID,
+            "messages": [{"role": "user", "content": "What does the fox eat?"}]}

@@ -1,0 +1,369 @@
+"""One contract suite for every backend, then disk-specific and URL tests."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from backends import (
+    Backend,
+    BackendError,
+    DiskBackend,
+    MemoryBackend,
+    NamespacePurge,
+    StoreStats,
+    StoreStatsResult,
+    default_disk_url,
+    open_backend,
+)
+from backends.disk import DB_FILENAME
+
+OpenStore = Callable[..., Backend]
+
+
+class FakeClock:
+    """A clock the test moves by hand."""
+
+    def __init__(self, now: float = 1_700_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest_asyncio.fixture(params=["memory", "disk"])
+async def open_store(
+    request: pytest.FixtureRequest, tmp_path: Path, clock: FakeClock
+) -> AsyncIterator[OpenStore]:
+    """A factory for stores of the parametrized kind, all closed at teardown."""
+    opened: list[Backend] = []
+
+    def make(max_bytes: int | None = None) -> Backend:
+        base = "memory://" if request.param == "memory" else f"disk://{tmp_path / 'store'}"
+        query = "" if max_bytes is None else f"?max_bytes={max_bytes}"
+        backend = open_backend(base + query, clock=clock)
+        opened.append(backend)
+        return backend
+
+    yield make
+    for backend in opened:
+        await backend.aclose()
+
+
+@pytest.fixture
+def store(open_store: OpenStore) -> Backend:
+    return open_store()
+
+
+async def stats_of(backend: Backend) -> tuple[int, int]:
+    assert isinstance(backend, StoreStats)
+    result = await backend.stats()
+    return result.entries, result.bytes
+
+
+@pytest.mark.asyncio
+class TestBackendContract:
+    async def test_capabilities(self, store: Backend) -> None:
+        assert isinstance(store, Backend)
+        assert isinstance(store, NamespacePurge)
+        assert isinstance(store, StoreStats)
+
+    async def test_missing_key_is_none(self, store: Backend) -> None:
+        assert await store.get("nope") is None
+
+    async def test_roundtrip_and_overwrite(self, store: Backend) -> None:
+        await store.set("k", b"one")
+        assert await store.get("k") == b"one"
+        await store.set("k", b"two!")
+        assert await store.get("k") == b"two!"
+        assert await stats_of(store) == (1, len("k") + len(b"two!"))
+
+    async def test_delete_reports_presence(self, store: Backend) -> None:
+        await store.set("k", b"v")
+        assert await store.delete("k") is True
+        assert await store.get("k") is None
+        assert await store.delete("k") is False
+
+    async def test_every_byte_value_and_empty_value(self, store: Backend) -> None:
+        every_byte = bytes(range(256)) * 3
+        await store.set("bin", every_byte)
+        await store.set("empty", b"")
+        assert await store.get("bin") == every_byte
+        assert await store.get("empty") == b""
+
+    async def test_large_value(self, store: Backend) -> None:
+        big = bytes(range(256)) * (5 * 1024 * 1024 // 256)
+        await store.set("big", big)
+        assert await store.get("big") == big
+
+    async def test_unicode_key_counts_utf8_bytes(self, store: Backend) -> None:
+        await store.set("ns/ключ", b"v")
+        assert await store.get("ns/ключ") == b"v"
+        assert await stats_of(store) == (1, len("ns/ключ".encode()) + 1)
+
+    async def test_ttl_expires_lazily_on_read(self, store: Backend, clock: FakeClock) -> None:
+        await store.set("short", b"v", ttl=10)
+        await store.set("forever", b"v")
+        clock.advance(9.5)
+        assert await store.get("short") == b"v"
+        clock.advance(0.5)
+        assert await stats_of(store) == (2, 2 * (5 + 1) + 2)  # not swept, only read-expired
+        assert await store.get("short") is None
+        assert await stats_of(store) == (1, len("forever") + 1)
+        clock.advance(10**9)
+        assert await store.get("forever") == b"v"
+
+    async def test_overwrite_replaces_ttl(self, store: Backend, clock: FakeClock) -> None:
+        await store.set("k", b"v", ttl=1)
+        await store.set("k", b"w")
+        clock.advance(5)
+        assert await store.get("k") == b"w"
+
+    async def test_delete_of_expired_entry_is_false(self, store: Backend, clock: FakeClock) -> None:
+        await store.set("k", b"v", ttl=1)
+        clock.advance(1)
+        assert await store.delete("k") is False
+        assert await stats_of(store) == (0, 0)
+
+    @pytest.mark.parametrize("ttl", [0, -1, float("nan"), float("inf")])
+    async def test_bad_ttl_is_rejected_and_changes_nothing(
+        self, store: Backend, ttl: float
+    ) -> None:
+        await store.set("k", b"v")
+        with pytest.raises(ValueError, match="ttl"):
+            await store.set("k", b"w", ttl=ttl)
+        assert await store.get("k") == b"v"
+
+    async def test_lru_eviction_respects_reads(
+        self, open_store: OpenStore, clock: FakeClock
+    ) -> None:
+        entry = len("k0") + 100
+        store = open_store(max_bytes=3 * entry)
+        for name in ("k0", "k1", "k2"):
+            await store.set(name, b"x" * 100)
+            clock.advance(1)
+        assert await store.get("k0") is not None  # k0 is now the most recent
+        clock.advance(1)
+        await store.set("k3", b"x" * 100)
+        assert await store.get("k1") is None
+        assert [await store.get(k) is not None for k in ("k0", "k2", "k3")] == [True] * 3
+        assert await stats_of(store) == (3, 3 * entry)
+
+    async def test_eviction_frees_enough_for_a_big_value(
+        self, open_store: OpenStore, clock: FakeClock
+    ) -> None:
+        store = open_store(max_bytes=1000)
+        for i in range(9):
+            await store.set(f"k{i}", b"x" * 98)
+            clock.advance(1)
+        await store.set("big", b"y" * 697)
+        assert await stats_of(store) == (4, 3 * 100 + 700)
+        assert await store.get("k5") is None
+        assert await store.get("k6") is not None
+
+    async def test_value_over_max_bytes_is_not_stored(self, open_store: OpenStore) -> None:
+        store = open_store(max_bytes=1000)
+        await store.set("small", b"s")
+        await store.set("stale", b"old")
+        await store.set("huge", b"h" * 1000)  # 4 + 1000 bytes > 1000
+        await store.set("stale", b"z" * 1000)
+        assert await store.get("huge") is None
+        assert await store.get("stale") is None  # never serve the value a set replaced
+        assert await store.get("small") == b"s"
+        assert await stats_of(store) == (1, len("small") + 1)
+
+    async def test_purge_namespace_only_touches_that_namespace(self, store: Backend) -> None:
+        for key in ("a/1", "a/2", "a/x/3", "ab/4", "a", "b/a/5", "a0"):
+            await store.set(key, b"v")
+        assert isinstance(store, NamespacePurge)
+        assert await store.purge_namespace("a") == 3
+        assert [await store.get(k) for k in ("a/1", "a/2", "a/x/3")] == [None] * 3
+        for key in ("ab/4", "a", "b/a/5", "a0"):
+            assert await store.get(key) == b"v"
+        assert await store.purge_namespace("a") == 0
+        assert await stats_of(store) == (4, sum(len(k) + 1 for k in ("ab/4", "a", "b/a/5", "a0")))
+
+    async def test_stats_reports_bound(self, open_store: OpenStore) -> None:
+        store = open_store(max_bytes=12345)
+        assert isinstance(store, StoreStats)
+        result = await store.stats()
+        assert (result.entries, result.bytes, result.max_bytes) == (0, 0, 12345)
+
+    async def test_concurrent_writers_all_land(self, store: Backend) -> None:
+        keys = [f"ns/{i}" for i in range(50)]
+        await asyncio.gather(*(store.set(k, k.encode() * 10) for k in keys))
+        values = await asyncio.gather(*(store.get(k) for k in keys))
+        assert values == [k.encode() * 10 for k in keys]
+        assert await stats_of(store) == (50, sum(len(k) * 11 for k in keys))
+
+    async def test_closed_store_raises_backend_error(self, store: Backend) -> None:
+        await store.aclose()
+        await store.aclose()  # idempotent
+        with pytest.raises(BackendError):
+            await store.get("k")
+        with pytest.raises(BackendError):
+            await store.set("k", b"v")
+
+
+@pytest.mark.asyncio
+class TestDiskBackend:
+    async def test_persists_across_reopen(self, tmp_path: Path, clock: FakeClock) -> None:
+        first = DiskBackend(tmp_path, clock=clock)
+        await first.set("ns/a", b"alpha", ttl=100)
+        await first.set("ns/b", b"beta")
+        await first.aclose()
+        second = DiskBackend(tmp_path, clock=clock)
+        try:
+            assert await second.get("ns/a") == b"alpha"
+            assert await second.get("ns/b") == b"beta"
+            clock.advance(100)
+            assert await second.get("ns/a") is None  # absolute expiry survives a restart
+        finally:
+            await second.aclose()
+
+    async def test_byte_total_is_rebuilt_on_reopen(self, tmp_path: Path, clock: FakeClock) -> None:
+        first = DiskBackend(tmp_path, max_bytes=300, clock=clock)
+        for i in range(3):
+            await first.set(f"k{i}", b"x" * 98)
+            clock.advance(1)
+        before = await first.stats()
+        await first.aclose()
+        second = DiskBackend(tmp_path, max_bytes=300, clock=clock)
+        try:
+            assert await second.stats() == before
+            assert before.bytes == 300
+            await second.set("k3", b"x" * 98)  # must evict, which needs the right total
+            assert await second.get("k0") is None
+            assert (await second.stats()).bytes == 300
+        finally:
+            await second.aclose()
+
+    async def test_byte_total_follows_another_process(
+        self, tmp_path: Path, clock: FakeClock
+    ) -> None:
+        server = DiskBackend(tmp_path, max_bytes=300, clock=clock)
+        cli = DiskBackend(tmp_path, max_bytes=300, clock=clock)
+        try:
+            for i in range(3):
+                await server.set(f"old/{i}", b"x" * 95)
+                clock.advance(1)
+            assert await cli.purge_namespace("old") == 3
+            assert await server.stats() == StoreStatsResult(0, 0, 300)
+            await server.set("new/a", b"x" * 95)
+            await server.set("new/b", b"x" * 95)  # no stale total, so nothing is evicted
+            assert await server.get("new/a") is not None
+        finally:
+            await server.aclose()
+            await cli.aclose()
+
+    async def test_committed_set_is_visible_without_close(self, tmp_path: Path) -> None:
+        writer = DiskBackend(tmp_path)
+        reader = DiskBackend(tmp_path)
+        try:
+            await writer.set("k", b"durable")
+            # As if the writer's process died here: a second connection sees the commit.
+            assert await reader.get("k") == b"durable"
+        finally:
+            await writer.aclose()
+            await reader.aclose()
+
+    async def test_database_is_in_wal_mode(self, tmp_path: Path) -> None:
+        store = DiskBackend(tmp_path / "deep" / "dir")
+        await store.set("k", b"v")
+        await store.aclose()
+        with sqlite3.connect(tmp_path / "deep" / "dir" / DB_FILENAME) as conn:
+            assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+    async def test_garbage_database_raises_backend_error(self, tmp_path: Path) -> None:
+        (tmp_path / DB_FILENAME).write_bytes(b"this is not a database\x00\xff" * 400)
+        store = DiskBackend(tmp_path)
+        try:
+            with pytest.raises(BackendError) as caught:
+                await store.get("k")
+            assert isinstance(caught.value.__cause__, sqlite3.DatabaseError)
+            with pytest.raises(BackendError):
+                await store.set("k", b"v")
+        finally:
+            await store.aclose()
+
+    async def test_unusable_directory_raises_backend_error(self, tmp_path: Path) -> None:
+        not_a_dir = tmp_path / "file"
+        not_a_dir.write_bytes(b"")
+        store = DiskBackend(not_a_dir)
+        try:
+            with pytest.raises(BackendError) as caught:
+                await store.set("k", b"v")
+            assert isinstance(caught.value.__cause__, OSError)
+        finally:
+            await store.aclose()
+
+    async def test_construction_touches_no_files(self, tmp_path: Path) -> None:
+        store = DiskBackend(tmp_path / "lazy")
+        await store.aclose()
+        assert not (tmp_path / "lazy").exists()
+
+
+class TestOpenBackend:
+    def test_memory_url(self) -> None:
+        backend = open_backend("memory://?max_bytes=1234")
+        assert isinstance(backend, MemoryBackend)
+        assert backend.max_bytes == 1234
+        assert isinstance(open_backend("memory://"), MemoryBackend)
+
+    def test_disk_url(self, tmp_path: Path) -> None:
+        backend = open_backend(f"disk://{tmp_path}/with%20space?max_bytes=99")
+        assert isinstance(backend, DiskBackend)
+        assert backend.directory == tmp_path / "with space"
+        assert backend.max_bytes == 99
+
+    def test_default_disk_url_is_absolute(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg cache"))
+        url = default_disk_url()
+        assert url.startswith("disk:///")
+        backend = open_backend(url)
+        assert isinstance(backend, DiskBackend)
+        assert backend.directory.is_absolute()
+        assert backend.directory.name == "store"
+
+    @pytest.mark.parametrize(
+        ("url", "message"),
+        [
+            ("disk://relative/dir", "must be absolute"),
+            ("disk:relative/dir", "must be absolute"),
+            ("disk://", "must be absolute"),
+            ("disk:///tmp/x?max_bytes=abc", "positive integer"),
+            ("disk:///tmp/x?max_bytes=0", "positive integer"),
+            ("disk:///tmp/x?max_bytes=-5", "positive integer"),
+            ("disk:///tmp/x?max_bytes=", "positive integer"),
+            ("disk:///tmp/x?max_size=5", "unknown parameter"),
+            ("memory://?max_bytes=1&max_bytes=2", "more than once"),
+            ("memory://host", "no host or path"),
+            ("memory://?max_bytes=1#frag", "fragment"),
+            ("ftp://example.com/x", "unknown scheme"),
+            ("/just/a/path", "unknown scheme"),
+            ("", "unknown scheme"),
+            ("redis://localhost:6379/0", "not yet supported"),
+            ("rediss://localhost:6380/0", "not yet supported"),
+            ("unix:///run/redis.sock", "not yet supported"),
+            ("redis+cluster://localhost:7000", "not yet supported"),
+        ],
+    )
+    def test_bad_urls_name_the_url(self, url: str, message: str) -> None:
+        with pytest.raises(ValueError, match=message) as caught:
+            open_backend(url)
+        assert repr(url) in str(caught.value)
