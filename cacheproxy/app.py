@@ -86,22 +86,24 @@ def _lifecycle(
     settings: Settings, runner: Runner | None, store: Backend | None
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
+        the_store = store or open_backend(settings.store)  # a bad URL fails before loading
         the_runner = runner or MlxRunner(MlxOptions(
             model=settings.model, model_id=settings.served_model_id,
             queue_size=settings.queue_size, default_max_tokens=settings.default_max_tokens,
             max_tokens_cap=settings.max_tokens_cap, device_scope=settings.device_scope))
-        if runner is None:
-            await the_runner.start()
-        the_store = store or open_backend(settings.store)
-        proxy = CachingProxy(the_runner, the_store,
-                             ServiceOptions(generation_timeout=settings.generation_timeout))
-        app[PROXY] = proxy
-        log.info("serving", model=settings.served_model_id,
-                 fingerprint=the_runner.fingerprint().digest, store=settings.store)
+        proxy: CachingProxy | None = None
         try:
+            if runner is None:
+                await the_runner.start()
+            proxy = CachingProxy(the_runner, the_store,
+                                 ServiceOptions(generation_timeout=settings.generation_timeout))
+            app[PROXY] = proxy
+            log.info("serving", model=settings.served_model_id,
+                     fingerprint=the_runner.fingerprint().digest, store=settings.store)
             yield
         finally:
-            await proxy.aclose()
+            if proxy is not None:
+                await proxy.aclose()
             # Tear down only what this app started; injected parts belong to the caller.
             if store is None:
                 await the_store.aclose()

@@ -1,0 +1,104 @@
+"""Bad input: a clear OpenAI-shaped error, nothing stored, the server keeps answering."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+from backends.base import StoreStats
+from tests.conftest import Proxy, ProxyFactory
+
+CHAT = "/v1/chat/completions"
+OK_BODY = {"messages": [{"role": "user", "content": "Hello!"}]}
+LONG_PROMPT = "The cat eats fish. " * 200  # ~1000 tokens; the demo model's context is 512
+
+CASES: list[tuple[str, str, str, bytes, int, str | None, str | None]] = [
+    # (name, method, path, body, status, param, code)
+    ("malformed json", "POST", CHAT, b'{"messages": [', 400, None, None),
+    ("invalid utf-8", "POST", CHAT, b'{"messages": "\xff\xfe"}', 400, None, None),
+    ("not an object", "POST", CHAT, b"[1, 2]", 400, None, None),
+    ("messages wrong type", "POST", CHAT, b'{"messages": "hi"}', 400, "messages", None),
+    ("temperature wrong type", "POST", CHAT,
+     json.dumps({**OK_BODY, "temperature": "hot"}).encode(), 400, "temperature", None),
+    ("max_tokens negative", "POST", CHAT,
+     json.dumps({**OK_BODY, "max_tokens": -1}).encode(), 400, "max_tokens", None),
+    ("max_tokens huge", "POST", CHAT,
+     json.dumps({**OK_BODY, "max_tokens": 10**30}).encode(), 400, "max_tokens", None),
+    ("stream wrong type", "POST", CHAT,
+     json.dumps({**OK_BODY, "stream": "yes"}).encode(), 400, "stream", None),
+    ("bad role", "POST", CHAT,
+     json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), 400,
+     "messages[0].role", None),
+    ("image part", "POST", CHAT, json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}).encode(), 400,
+     "messages[0].content", "unsupported_parameter"),
+    ("tools", "POST", CHAT, json.dumps({**OK_BODY, "tools": [{"type": "function"}]}).encode(),
+     400, "tools", "unsupported_parameter"),
+    ("unknown model", "POST", CHAT, json.dumps({**OK_BODY, "model": "gpt-9"}).encode(), 404,
+     "model", "model_not_found"),
+    ("prompt over context", "POST", "/v1/completions",
+     json.dumps({"prompt": LONG_PROMPT}).encode(), 400, "prompt", "context_length_exceeded"),
+    ("chat over context", "POST", CHAT, json.dumps({"messages": [
+        {"role": "user", "content": LONG_PROMPT}]}).encode(), 400, "messages",
+     "context_length_exceeded"),
+    ("unsupported endpoint", "POST", "/v1/embeddings", b"{}", 404, None, "not_found"),
+    ("unknown path", "GET", "/nope", b"", 404, None, "not_found"),
+    ("wrong method", "GET", CHAT, b"", 405, None, "method_not_allowed"),
+    ("deep nesting", "POST", CHAT, b"[" * 5000 + b"]" * 5000, 400, None, None),
+]
+
+
+async def _entries(proxy: Proxy) -> int:
+    store = proxy.store
+    if not isinstance(store, StoreStats):
+        raise AssertionError("the memory store reports stats")
+    return (await store.stats()).entries
+
+
+@pytest.mark.parametrize(("name", "method", "path", "body", "status", "param", "code"), CASES,
+                         ids=[c[0] for c in CASES])
+async def test_bad_input_gets_openai_error_and_server_survives(
+    make_proxy: ProxyFactory, name: str, method: str, path: str, body: bytes, status: int,
+    param: str | None, code: str | None,
+) -> None:
+    proxy = await make_proxy()
+    before = await _entries(proxy)
+    async with aiohttp.ClientSession() as session:
+        async with session.request(method, proxy.url + path, data=body,
+                                   headers={"Content-Type": "application/json"}) as resp:
+            assert resp.status == status, await resp.text()
+            assert resp.content_type == "application/json"
+            error: dict[str, Any] = (await resp.json())["error"]
+        assert isinstance(error["message"], str) and error["message"]
+        assert error["type"] == "invalid_request_error"
+        assert error["param"] == param
+        assert error["code"] == code
+        assert await _entries(proxy) == before  # nothing stored
+        async with session.post(proxy.url + CHAT, json=OK_BODY) as resp:
+            assert resp.status == 200  # and the server still answers
+
+
+async def test_body_over_limit_is_413(make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy(max_body_bytes=4096)
+    big = {"messages": [{"role": "user", "content": "x" * 10_000}]}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + CHAT, json=big) as resp:
+            assert resp.status == 413
+            error = (await resp.json())["error"]
+        assert error["code"] == "request_too_large" and "4096" in error["message"]
+        async with session.post(proxy.url + CHAT, json=OK_BODY) as resp:
+            assert resp.status == 200
+
+
+async def test_stream_request_with_bad_input_is_a_plain_http_error(
+    make_proxy: ProxyFactory,
+) -> None:
+    proxy = await make_proxy()
+    body = {"prompt": LONG_PROMPT, "stream": True}
+    async with aiohttp.ClientSession() as session, \
+            session.post(proxy.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["code"] == "context_length_exceeded"

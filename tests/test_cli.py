@@ -1,0 +1,157 @@
+"""The command line, as a user runs it: serve (and restart), demo-model, fingerprint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import urllib.error
+import urllib.request
+import openai
+import pytest
+
+from cacheproxy import fingerprint as fp
+from cacheproxy.demo_model import BUNDLED_MODEL
+from tests.conftest import free_port
+
+CLI = [sys.executable, "-m", "cacheproxy"]
+
+
+@contextmanager
+def serving(*args: str) -> Iterator[str]:
+    """`python -m cacheproxy serve ARGS` on a free port until the block ends (SIGTERM)."""
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "serve", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                out = proc.stdout.read().decode() if proc.stdout else ""
+                raise AssertionError(f"serve exited with {proc.returncode}:\n{out}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.2)
+        else:
+            raise AssertionError("serve did not become healthy within 60 s")
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=20) == 0, "serve did not exit cleanly on SIGTERM"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def _ask(url: str) -> tuple[str, str | None]:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="cacheproxy-demo", messages=[{"role": "user", "content": "What color is the cat?"}])
+    content = raw.parse().choices[0].message.content
+    assert content
+    return content, raw.headers.get("x-cache")
+
+
+def test_restart_with_disk_store_first_request_is_a_hit(tmp_path: Path) -> None:
+    store = f"disk://{tmp_path}/store"
+    with serving("--store", store) as url:
+        first, status = _ask(url)
+        assert status == "MISS"
+    with serving("--store", store) as url:
+        again, status = _ask(url)
+        assert status == "HIT"
+    assert again == first
+
+
+def test_default_store_is_on_disk_under_the_user_cache_dir(tmp_path: Path) -> None:
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    out = subprocess.run(
+        [sys.executable, "-c", "from cacheproxy.settings import Settings; print(Settings().store)"],
+        env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"disk://{tmp_path}/cache/cacheproxy/store"
+
+
+def test_env_setting_and_flag_precedence() -> None:
+    from cacheproxy.settings import build_settings
+
+    env = {"CACHEPROXY_PORT": "9000", "CACHEPROXY_SAMPLING": "seeded"}
+    assert build_settings({}, env).port == 9000
+    assert build_settings({"port": 9001}, env).port == 9001
+    assert build_settings({}, env).sampling == "seeded"
+    with pytest.raises(ValueError, match="sampling"):
+        build_settings({}, {"CACHEPROXY_SAMPLING": "wild"})
+
+
+def test_demo_model_copy_is_the_bundled_model(tmp_path: Path) -> None:
+    out = tmp_path / "copy"
+    subprocess.run([*CLI, "demo-model", "--out", str(out)], check=True, capture_output=True)
+    assert fp.compute("m", out).weights_digest == fp.compute("m", BUNDLED_MODEL).weights_digest
+
+
+def test_demo_model_quantized_loads_and_generates(tmp_path: Path) -> None:
+    out = tmp_path / "q4"
+    subprocess.run([*CLI, "demo-model", "--out", str(out), "--quantize", "4"], check=True,
+                   capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4
+    q = fp.compute("m", out)
+    assert q.quantization["bits"] == 4
+    assert q.weights_digest != fp.compute("m", BUNDLED_MODEL).weights_digest
+    from mlx_lm import generate, load
+
+    model, tokenizer = load(str(out))[:2]
+    text = generate(model, tokenizer, "The fox", max_tokens=8)
+    assert isinstance(text, str) and text.strip()
+
+
+def test_retrain_is_reproducible(tmp_path: Path) -> None:
+    digests = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        subprocess.run([*CLI, "demo-model", "--out", str(out), "--retrain", "--steps", "3"],
+                       check=True, capture_output=True)
+        digests.append(fp.compute("m", out).weights_digest)
+    assert digests[0] == digests[1]
+    assert digests[0] != fp.compute("m", BUNDLED_MODEL).weights_digest  # 3 steps != shipped
+
+
+def test_bundled_demo_model_speaks_in_sentences() -> None:
+    from mlx_lm import generate, load
+
+    model, tokenizer = load(str(BUNDLED_MODEL))[:2]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tell me about the fox."}], add_generation_prompt=True)
+    text = generate(model, tokenizer, prompt, max_tokens=60)
+    words = text.split()
+    assert len(words) >= 4 and text.strip().endswith("."), text
+    assert text.strip()[0].isupper(), text
+
+
+def test_fingerprint_command_prints_tuple_and_digest() -> None:
+    out = subprocess.run([*CLI, "fingerprint"], check=True, capture_output=True, text=True)
+    data = json.loads(out.stdout)
+    assert data["digest"] == fp.compute("cacheproxy-demo", BUNDLED_MODEL).digest
+    fields = data["fields"]
+    for name in ("engine_version", "mlx_version", "weights_digest", "tokenizer_digest",
+                 "chat_template_digest", "config_digest", "quantization"):
+        assert fields[name] not in ("", None, "absent"), name
+
+
+def test_bad_cli_values_exit_2_with_a_message(tmp_path: Path) -> None:
+    out = subprocess.run([*CLI, "serve", "--store", "ftp://x"], capture_output=True, text=True)
+    assert out.returncode == 2 and "ftp://x" in out.stderr
+    out = subprocess.run([*CLI, "serve", "--model", str(tmp_path / "missing")],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "does not exist" in out.stderr

@@ -1,0 +1,128 @@
+"""Faults: corrupt records, a full queue, a generation timeout, invalid UTF-8 from the model."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from backends.base import StoreStats
+from cacheproxy.demo_model import BUNDLED_MODEL
+from cacheproxy.runners.mlx import MlxOptions, MlxRunner
+from tests.conftest import ProxyFactory
+from tests.test_proxy_e2e import NO_EOS
+
+CHAT = "/v1/chat/completions"
+BODY = {"messages": [{"role": "user", "content": "Where does the duck live?"}]}
+
+
+async def test_corrupt_record_on_disk_is_a_miss_and_is_replaced(
+    make_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    proxy = await make_proxy(store=f"disk://{tmp_path}/store")
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + CHAT, json=BODY) as resp:
+            key, first = resp.headers["X-Cache-Key"], await resp.json()
+            assert resp.headers["X-Cache"] == "MISS"
+        # Flip bytes of the stored record in the database file itself (outside the proxy).
+        db = sqlite3.connect(tmp_path / "store" / "cache.sqlite3")
+        with db:
+            (value,) = db.execute("SELECT value FROM entries WHERE key = ?", (key,)).fetchone()
+            broken = value[:-5] + bytes(b ^ 0xFF for b in value[-5:])
+            db.execute("UPDATE entries SET value = ? WHERE key = ?", (broken, key))
+        db.close()
+        before = proxy.generations
+        async with session.post(proxy.url + CHAT, json=BODY) as resp:
+            assert resp.headers["X-Cache"] == "MISS"  # served as a miss, regenerated
+            again = await resp.json()
+        async with session.post(proxy.url + CHAT, json=BODY) as resp:
+            assert resp.headers["X-Cache"] == "HIT"  # and replaced by a good record
+    assert proxy.generations == before + 1
+    assert again["choices"] == first["choices"]
+
+
+async def test_record_of_another_request_under_the_key_is_a_miss(
+    make_proxy: ProxyFactory,
+) -> None:
+    proxy = await make_proxy()
+    other = {"messages": [{"role": "user", "content": "Hello!"}]}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + CHAT, json=other) as resp:
+            other_key = resp.headers["X-Cache-Key"]
+        async with session.post(proxy.url + CHAT, json=BODY) as resp:
+            key = resp.headers["X-Cache-Key"]
+        # Simulate a hash collision: the record stored under `key` answers another request.
+        await proxy.store.set(key, await _get(proxy.store, other_key))
+        async with session.post(proxy.url + CHAT, json=BODY) as resp:
+            assert resp.headers["X-Cache"] == "MISS"
+
+
+async def _get(store: object, key: str) -> bytes:
+    value = await store.get(key)  # type: ignore[attr-defined]
+    assert isinstance(value, bytes)
+    return value
+
+
+async def test_full_queue_answers_503_with_retry_after(make_proxy: ProxyFactory) -> None:
+    small = MlxRunner(MlxOptions(model=str(BUNDLED_MODEL), model_id="cacheproxy-demo",
+                                 queue_size=1))
+    await small.start()
+    try:
+        proxy = await make_proxy(the_runner=small)
+
+        async def one(i: int, session: aiohttp.ClientSession) -> tuple[int, str | None]:
+            body = {"prompt": f"The {i} owl", "max_tokens": 200, "logit_bias": NO_EOS}
+            async with session.post(proxy.url + "/v1/completions", json=body) as resp:
+                await resp.read()
+                return resp.status, resp.headers.get("Retry-After")
+
+        async with aiohttp.ClientSession() as session:
+            results = await asyncio.gather(*(one(i, session) for i in range(4)))
+        statuses = [s for s, _ in results]
+        assert statuses.count(200) >= 1 and statuses.count(503) >= 1, statuses
+        assert all(int(r or 0) >= 1 for s, r in results if s == 503)
+    finally:
+        await small.aclose()
+
+
+async def test_generation_timeout_answers_504_and_stores_nothing(
+    make_proxy: ProxyFactory,
+) -> None:
+    proxy = await make_proxy(generation_timeout=0.05)
+    body = {"prompt": "The bear", "max_tokens": 400, "logit_bias": NO_EOS}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 504
+            assert (await resp.json())["error"]["code"] == "generation_timeout"
+    assert isinstance(proxy.store, StoreStats)
+    assert (await proxy.store.stats()).entries == 0
+
+
+async def test_byte_tokens_never_split_a_character_and_never_crash(
+    make_proxy: ProxyFactory,
+) -> None:
+    proxy = await make_proxy()
+    # Push the demo model towards the two byte tokens of "é" (0xC3 0xA9): it emits them in
+    # orders that make whole characters and invalid sequences alike.
+    body = {"prompt": "The fox", "max_tokens": 12, "stream": True,
+            "logit_bias": {"131": 16, "106": 16}}
+    pieces = []
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    event = orjson.loads(line[6:])  # every event is valid UTF-8 JSON
+                    pieces.extend(c["text"] for c in event["choices"] if c["text"])
+        body["stream"] = False
+        async with session.post(proxy.url + "/v1/completions", json=body) as resp:
+            assert resp.headers["X-Cache"] == "HIT"
+            whole = (await resp.json())["choices"][0]["text"]
+    text = "".join(pieces)
+    assert text == whole
+    assert "é" in text or "\ufffd" in text, f"byte tokens were not exercised: {text!r}"
+    for piece in pieces:
+        assert piece.encode("utf-8").decode("utf-8") == piece
