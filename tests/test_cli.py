@@ -8,12 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import urllib.error
-import urllib.request
 import openai
 import pytest
 

@@ -8,11 +8,15 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+from aiohttp.test_utils import TestServer
 
-from backends.base import StoreStats
+from backends.base import BackendError, StoreStats
+from cacheproxy.app import create_app
 from cacheproxy.demo_model import BUNDLED_MODEL
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
-from tests.conftest import ProxyFactory
+from cacheproxy.settings import Settings
+from cacheproxy.state import PROXY
+from tests.conftest import ProxyFactory, free_port
 from tests.test_proxy_e2e import NO_EOS
 
 CHAT = "/v1/chat/completions"
@@ -93,10 +97,10 @@ async def test_generation_timeout_answers_504_and_stores_nothing(
 ) -> None:
     proxy = await make_proxy(generation_timeout=0.05)
     body = {"prompt": "The bear", "max_tokens": 400, "logit_bias": NO_EOS}
-    async with aiohttp.ClientSession() as session:
-        async with session.post(proxy.url + "/v1/completions", json=body) as resp:
-            assert resp.status == 504
-            assert (await resp.json())["error"]["code"] == "generation_timeout"
+    async with aiohttp.ClientSession() as session, \
+            session.post(proxy.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 504
+        assert (await resp.json())["error"]["code"] == "generation_timeout"
     assert isinstance(proxy.store, StoreStats)
     assert (await proxy.store.stats()).entries == 0
 
@@ -126,3 +130,48 @@ async def test_byte_tokens_never_split_a_character_and_never_crash(
     assert "é" in text or "\ufffd" in text, f"byte tokens were not exercised: {text!r}"
     for piece in pieces:
         assert piece.encode("utf-8").decode("utf-8") == piece
+
+
+class BrokenStore:
+    """A store whose every call fails.
+
+    A fake on purpose: no real store fails on every call on demand (the Redis outage tests
+    of the storage issue use a real server); this checks the proxy's side of the contract.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def get(self, key: str) -> bytes | None:
+        self.calls += 1
+        raise BackendError("store is down")
+
+    async def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
+        self.calls += 1
+        raise BackendError("store is down")
+
+    async def delete(self, key: str) -> bool:
+        self.calls += 1
+        raise BackendError("store is down")
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_store_errors_are_misses_never_5xx(runner: MlxRunner) -> None:
+    store = BrokenStore()
+    app = create_app(Settings(store="memory://"), runner=runner, store=store)
+    server = TestServer(app, host="127.0.0.1", port=free_port())
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(2):
+                async with session.post(f"http://127.0.0.1:{server.port}{CHAT}",
+                                        json=BODY) as resp:
+                    assert resp.status == 200
+                    assert resp.headers["X-Cache"] == "MISS"
+                    assert (await resp.json())["choices"][0]["message"]["content"]
+        assert store.calls >= 4
+        assert app[PROXY].counters["store_errors"] >= 4
+    finally:
+        await server.close()
