@@ -36,6 +36,7 @@ class RunnerDefaults:
     max_tokens: int
     max_tokens_cap: int
     context_length: int
+    vocab_size: int | None = None  # None: unknown, token ids are checked by the runner
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +97,10 @@ def _text_content(value: object, where: str) -> str:
         for part in value:
             if not isinstance(part, dict) or part.get("type") != "text":
                 raise Unsupported(f"'{where}' supports only text parts", param=where)
-            parts.append(fields.string(part, "text"))
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise InvalidRequest(f"'{where}' text parts need a string 'text'", param=where)
+            parts.append(text)
         return "".join(parts)
     raise InvalidRequest(f"'{where}' must be a string or a list of text parts", param=where)
 
@@ -110,7 +114,7 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise InvalidRequest(f"'{where}' must be an object", param=where)
-        role = ROLES.get(m.get("role"))  # type: ignore[arg-type]
+        role = ROLES.get(r) if isinstance(r := m.get("role"), str) else None
         if role is None:
             raise InvalidRequest(
                 f"'{where}.role' must be one of {sorted(ROLES)}", param=f"{where}.role"
@@ -122,7 +126,7 @@ def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
 def _prompt(body: Mapping[str, Any]) -> str:
     raw = body.get("prompt")
     if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
-        return raw[0]
+        raw = raw[0]
     if not isinstance(raw, str):
         raise InvalidRequest("'prompt' must be a string", param="prompt")
     if raw == "":
@@ -130,13 +134,21 @@ def _prompt(body: Mapping[str, Any]) -> str:
     return raw
 
 
-def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+def _logit_bias(body: Mapping[str, Any], vocab_size: int | None) -> tuple[tuple[int, float], ...]:
     raw = fields.obj(body, "logit_bias")
     bias = []
     for token in raw:
-        if not token.isdigit():
+        if not (token.isascii() and token.isdigit()):
             raise InvalidRequest("'logit_bias' keys must be token ids", param="logit_bias")
-        bias.append((int(token), fields.number(raw, token, 0.0, lo=-100, hi=100)))
+        value = raw[token]
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        if not numeric or not -100 <= value <= 100:
+            raise InvalidRequest("'logit_bias' values must be numbers in [-100, 100]",
+                                 param="logit_bias")
+        if vocab_size is not None and int(token) >= vocab_size:
+            raise InvalidRequest(f"'logit_bias' token {token} is not in the vocabulary",
+                                 param="logit_bias")
+        bias.append((int(token), float(value) + 0.0))
     return tuple(sorted(bias))
 
 
@@ -150,8 +162,13 @@ def _logprobs(body: Mapping[str, Any], endpoint: Endpoint) -> tuple[bool, int]:
 
 
 def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
-    for field in ("tools", "functions", "tool_choice", "response_format"):
+    for field in ("tools", "functions"):
         fields.reject_if_set(body, field, "this proxy serves plain text generation")
+    # The explicit defaults some SDKs send are harmless; anything else is refused.
+    if body.get("tool_choice") not in (None, "none"):
+        fields.reject_if_set(body, "tool_choice", "this proxy serves plain text generation")
+    if body.get("response_format") not in (None, {"type": "text"}):
+        fields.reject_if_set(body, "response_format", "only plain text output is supported")
     if endpoint == "completions":
         fields.reject_if_set(body, "suffix", "the runner does not do fill-in-the-middle")
         fields.reject_if_set(body, "echo", "the prompt is not echoed")
@@ -197,7 +214,7 @@ def parse(
         presence_penalty=fields.number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         frequency_penalty=fields.number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         repetition_penalty=fields.number(body, "repetition_penalty", 1.0, lo=0.01, hi=10.0),
-        logit_bias=_logit_bias(body),
+        logit_bias=_logit_bias(body, defaults.vocab_size),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
     )

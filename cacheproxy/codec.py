@@ -70,8 +70,17 @@ def _chunk_wire(c: Chunk) -> list[Any]:
     return [c.text, list(c.tokens), lps]
 
 
+def _typed(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise TypeError(f"{what} has the wrong type {type(value).__name__}")
+    return value
+
+
 def _chunk(w: list[Any]) -> Chunk:
     text, tokens, lps = w
+    _typed(text, str, "chunk text")
+    for t in _typed(tokens, list, "chunk tokens"):
+        _typed(t, int, "token id")
     logprobs = tuple(
         TokenLogprob(t, s, lp, tuple((a, b, c) for a, b, c in top)) for t, s, lp, top in lps
     )
@@ -107,14 +116,16 @@ def decode(data: bytes) -> Record:
     if xxhash.xxh3_64_digest(payload) != data[len(MAGIC) + 1 : _HEADER]:
         raise CorruptRecord("checksum mismatch")
     try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-        o = raw["output"]
+        raw = _typed(msgpack.unpackb(payload, raw=False, strict_map_key=False), dict, "record")
+        o = _typed(raw["output"], dict, "output")
         output = Output(
-            chunks=tuple(_chunk(c) for c in o["chunks"]),
-            finish_reason=o["finish_reason"],
-            prompt_tokens=o["prompt_tokens"],
-            completion_tokens=o["completion_tokens"],
+            chunks=tuple(_chunk(c) for c in _typed(o["chunks"], list, "chunks")),
+            finish_reason=_typed(o["finish_reason"], str, "finish_reason"),
+            prompt_tokens=_typed(o["prompt_tokens"], int, "prompt_tokens"),
+            completion_tokens=_typed(o["completion_tokens"], int, "completion_tokens"),
         )
-        return Record(request=raw["request"], output=output, provenance=raw["provenance"])
+        request = _typed(raw["request"], dict, "request")
+        provenance = _typed(raw["provenance"], dict, "provenance")
+        return Record(request=request, output=output, provenance=provenance)
     except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
         raise CorruptRecord(f"undecodable payload: {exc}") from exc

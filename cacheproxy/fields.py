@@ -28,7 +28,7 @@ def number(
         raise _bad(field, "a number", value)
     if not math.isfinite(value) or not lo <= value <= hi:
         raise InvalidRequest(f"'{field}' must be between {lo} and {hi}", param=field)
-    return float(value)
+    return float(value) + 0.0  # -0.0 -> 0.0: one key for one value
 
 
 def integer(

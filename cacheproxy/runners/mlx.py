@@ -87,6 +87,7 @@ class MlxRunner:
             max_tokens=min(self._options.default_max_tokens, context),
             max_tokens_cap=self._options.max_tokens_cap,
             context_length=context,
+            vocab_size=int(config["vocab_size"]) if "vocab_size" in config else None,
         )
         self._fingerprint = fp.compute(
             self._options.model_id, path, device=_device() if self._options.device_scope else ""
