@@ -50,6 +50,25 @@ class NamespacePurge(Protocol):
 
 
 @runtime_checkable
+class Scan(Protocol):
+    """Optional capability: list keys by prefix, in key order, a page at a time."""
+
+    async def scan(self, prefix: str, *, after: str = "", limit: int = 1000) -> list[str]:
+        """Keys starting with prefix and greater than after, sorted, at most limit."""
+
+
+@runtime_checkable
+class NamespaceStats(Protocol):
+    """Optional capability: size of one namespace."""
+
+    async def namespace_stats(self, namespace: str) -> tuple[int, int]:
+        """(entries, bytes) of the keys starting with namespace + "/"."""
+
+
+PURGE_BATCH = 500
+
+
+@runtime_checkable
 class StoreStats(Protocol):
     """Optional capability: report the size of the store."""
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from backends.base import (
+    PURGE_BATCH,
     BackendError,
     Clock,
     StoreStatsResult,
@@ -94,8 +95,26 @@ class DiskBackend:
         return await self._run(lambda conn: self._delete(conn, key, now))
 
     async def purge_namespace(self, namespace: str) -> int:
-        """Delete every key starting with namespace + "/"; return how many were removed."""
-        return await self._run(lambda conn: self._purge(conn, namespace))
+        """Delete every key starting with namespace + "/", in batches; return the count."""
+        total = 0
+        while True:
+            # One short transaction per batch: gets and sets run in between.
+            removed = await self._run(lambda conn: self._purge(conn, namespace, PURGE_BATCH))
+            total += removed
+            if removed < PURGE_BATCH:
+                return total
+
+    async def scan(self, prefix: str, *, after: str = "", limit: int = 1000) -> list[str]:
+        """Keys starting with prefix and greater than after, sorted, at most limit."""
+        return await self._run(lambda conn: _scan(conn, prefix, after, limit))
+
+    async def namespace_stats(self, namespace: str) -> tuple[int, int]:
+        """(entries, bytes) of one namespace."""
+        bounds = _bounds(namespace + "/")
+        row = await self._run(lambda conn: conn.execute(
+            "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries WHERE key >= ? AND key < ?",
+            bounds).fetchone())
+        return int(row[0]), int(row[1])
 
     async def stats(self) -> StoreStatsResult:
         """Rows and bytes held, including expired rows not yet read."""
@@ -217,21 +236,35 @@ class DiskBackend:
         self._bytes -= row[0]
         return not is_expired(row[1], now)
 
-    def _purge(self, conn: sqlite3.Connection, namespace: str) -> int:
+    def _purge(self, conn: sqlite3.Connection, namespace: str, batch: int) -> int:
         # A key range instead of LIKE: it uses the primary key and needs no escaping.
-        bounds = (namespace + "/", namespace + "0")  # "0" is the code point after "/"
+        bounds = _bounds(namespace + "/")
         with _transaction(conn):
-            count, freed = conn.execute(
-                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries WHERE key >= ? AND key < ?",
-                bounds,
-            ).fetchone()
-            conn.execute("DELETE FROM entries WHERE key >= ? AND key < ?", bounds)
-        self._bytes -= freed
-        return int(count)
+            rows = conn.execute(
+                "SELECT key, size FROM entries WHERE key >= ? AND key < ? LIMIT ?",
+                (*bounds, batch),
+            ).fetchall()
+            conn.executemany("DELETE FROM entries WHERE key = ?", [(k,) for k, _ in rows])
+        self._bytes -= sum(size for _, size in rows)
+        return len(rows)
 
     def _stats(self, conn: sqlite3.Connection) -> StoreStatsResult:
         (count,) = conn.execute("SELECT COUNT(*) FROM entries").fetchone()
         return StoreStatsResult(int(count), self._bytes, self._max_bytes)
+
+
+def _bounds(prefix: str) -> tuple[str, str]:
+    """[prefix, successor) as a key range: every key that starts with prefix."""
+    return prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+def _scan(conn: sqlite3.Connection, prefix: str, after: str, limit: int) -> list[str]:
+    low, high = _bounds(prefix) if prefix else ("", "\U0010ffff")
+    rows = conn.execute(
+        "SELECT key FROM entries WHERE key >= ? AND key < ? AND key > ? ORDER BY key LIMIT ?",
+        (low, high, after, limit),
+    ).fetchall()
+    return [k for (k,) in rows]
 
 
 @contextmanager

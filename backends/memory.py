@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from backends.base import (
+    PURGE_BATCH,
     BackendError,
     Clock,
     StoreStatsResult,
@@ -80,13 +82,28 @@ class MemoryBackend:
         return entry is not None and not is_expired(entry.expires_at, self._clock())
 
     async def purge_namespace(self, namespace: str) -> int:
-        """Delete every key starting with namespace + "/"; return how many were removed."""
+        """Delete every key starting with namespace + "/", in batches; return the count."""
         self._check_open()
         prefix = namespace + "/"
         doomed = [key for key in self._entries if key.startswith(prefix)]
-        for key in doomed:
-            self._remove(key)
+        for start in range(0, len(doomed), PURGE_BATCH):
+            for key in doomed[start : start + PURGE_BATCH]:
+                self._remove(key)
+            await asyncio.sleep(0)  # let requests run between batches
         return len(doomed)
+
+    async def scan(self, prefix: str, *, after: str = "", limit: int = 1000) -> list[str]:
+        """Keys starting with prefix and greater than after, sorted, at most limit."""
+        self._check_open()
+        keys = sorted(k for k in self._entries if k.startswith(prefix) and k > after)
+        return keys[:limit]
+
+    async def namespace_stats(self, namespace: str) -> tuple[int, int]:
+        """(entries, bytes) of one namespace."""
+        self._check_open()
+        prefix = namespace + "/"
+        sizes = [e.size for k, e in self._entries.items() if k.startswith(prefix)]
+        return len(sizes), sum(sizes)
 
     async def stats(self) -> StoreStatsResult:
         """Entries and bytes held, including expired entries not yet read."""

@@ -21,6 +21,7 @@ from backends import (
     default_disk_url,
     open_backend,
 )
+from backends.base import PURGE_BATCH, NamespaceStats, Scan
 from backends.disk import DB_FILENAME
 
 OpenStore = Callable[..., Backend]
@@ -195,6 +196,30 @@ class TestBackendContract:
             assert await store.get(key) == b"v"
         assert await store.purge_namespace("a") == 0
         assert await stats_of(store) == (4, sum(len(k) + 1 for k in ("ab/4", "a", "b/a/5", "a0")))
+
+    async def test_purge_of_a_large_namespace_runs_in_batches(self, store: Backend) -> None:
+        for i in range(PURGE_BATCH * 2 + 7):
+            await store.set(f"big/{i:05d}", b"v")
+        await store.set("keep/1", b"v")
+        assert isinstance(store, NamespacePurge)
+        assert await store.purge_namespace("big") == PURGE_BATCH * 2 + 7
+        assert await stats_of(store) == (1, len("keep/1") + 1)
+
+    async def test_scan_pages_through_a_prefix_in_key_order(self, store: Backend) -> None:
+        for key in ("n/3", "n/1", "n/2", "m/1", "n0", "o/1"):
+            await store.set(key, b"v")
+        assert isinstance(store, Scan)
+        assert await store.scan("n/") == ["n/1", "n/2", "n/3"]
+        assert await store.scan("n/", limit=2) == ["n/1", "n/2"]
+        assert await store.scan("n/", after="n/2") == ["n/3"]
+        assert await store.scan("", limit=100) == sorted(["n/3", "n/1", "n/2", "m/1", "n0", "o/1"])
+
+    async def test_namespace_stats_counts_one_namespace(self, store: Backend) -> None:
+        for key, value in (("n/1", b"ab"), ("n/2", b"abc"), ("m/1", b"x")):
+            await store.set(key, value)
+        assert isinstance(store, NamespaceStats)
+        assert await store.namespace_stats("n") == (2, 3 + 2 + 3 + 3)
+        assert await store.namespace_stats("zz") == (0, 0)
 
     async def test_stats_reports_bound(self, open_store: OpenStore) -> None:
         store = open_store(max_bytes=12345)
