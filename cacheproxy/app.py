@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import structlog
 from aiohttp import web
@@ -19,11 +20,12 @@ from cacheproxy.errors import (
     ProxyError,
     RouteNotFound,
 )
+from cacheproxy.invalidation import Invalidator
 from cacheproxy.runners.base import Runner
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
 from cacheproxy.service import CachingProxy, ServiceOptions
 from cacheproxy.settings import Settings
-from cacheproxy.state import CACHE_LOG, PROXY, SETTINGS, STARTED
+from cacheproxy.state import CACHE_LOG, INVALIDATOR, PROXY, SETTINGS, STARTED
 
 log = structlog.get_logger("cacheproxy.access")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -90,18 +92,28 @@ def _lifecycle(
         the_runner = runner or MlxRunner(MlxOptions(
             model=settings.model, model_id=settings.served_model_id,
             queue_size=settings.queue_size, default_max_tokens=settings.default_max_tokens,
-            max_tokens_cap=settings.max_tokens_cap, device_scope=settings.device_scope))
+            max_tokens_cap=settings.max_tokens_cap, device_scope=settings.device_scope,
+            digest_memo=Path(settings.digest_memo)))
         proxy: CachingProxy | None = None
+        invalidator: Invalidator | None = None
         try:
             if runner is None:
                 await the_runner.start()
+            invalidator = Invalidator(the_runner, the_store, policy=settings.invalidation,
+                                      reload_wait=settings.reload_wait)
+            await invalidator.start(
+                watch_interval=settings.watch_interval if settings.watch else None)
+            app[INVALIDATOR] = invalidator
             proxy = CachingProxy(the_runner, the_store,
-                                 ServiceOptions(generation_timeout=settings.generation_timeout))
+                                 ServiceOptions(generation_timeout=settings.generation_timeout),
+                                 gate=invalidator.wait_ready)
             app[PROXY] = proxy
             log.info("serving", model=settings.served_model_id,
                      fingerprint=the_runner.fingerprint().digest, store=settings.store)
             yield
         finally:
+            if invalidator is not None:
+                await invalidator.aclose()
             if proxy is not None:
                 await proxy.aclose()
             # Tear down only what this app started; injected parts belong to the caller.

@@ -32,6 +32,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--default-max-tokens", dest="default_max_tokens", type=int)
     serve.add_argument("--max-tokens-cap", dest="max_tokens_cap", type=int)
     serve.add_argument("--device-scope", dest="device_scope", action="store_const", const=True)
+    serve.add_argument("--no-watch", dest="watch", action="store_const", const=False,
+                       help="do not watch the model files for changes")
+    serve.add_argument("--watch-interval", dest="watch_interval", type=float)
+    serve.add_argument("--reload-wait", dest="reload_wait", type=float)
+    serve.add_argument("--invalidation", choices=["purge", "retain"])
+    serve.add_argument("--digest-memo", dest="digest_memo")
     serve.add_argument("--log-format", dest="log_format", choices=["auto", "json", "console"])
     serve.add_argument("--log-level", dest="log_level")
 

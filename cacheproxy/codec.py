@@ -129,3 +129,26 @@ def decode(data: bytes) -> Record:
         return Record(request=request, output=output, provenance=provenance)
     except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
         raise CorruptRecord(f"undecodable payload: {exc}") from exc
+
+
+META_MAGIC = b"CPM"
+
+
+def encode_meta(value: dict[str, Any]) -> bytes:
+    """Small metadata records (the namespace registry): magic, checksum, msgpack."""
+    payload = msgpack.packb(value, use_bin_type=True)
+    return META_MAGIC + bytes([RECORD_VERSION]) + xxhash.xxh3_64_digest(payload) + payload
+
+
+def decode_meta(data: bytes) -> dict[str, Any]:
+    """Inverse of encode_meta; raises CorruptRecord."""
+    if data[: len(META_MAGIC)] != META_MAGIC or len(data) < _HEADER:
+        raise CorruptRecord("bad metadata magic")
+    payload = data[_HEADER:]
+    if xxhash.xxh3_64_digest(payload) != data[len(META_MAGIC) + 1 : _HEADER]:
+        raise CorruptRecord("metadata checksum mismatch")
+    try:
+        value = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise CorruptRecord(f"undecodable metadata: {exc}") from exc
+    return _typed(value, dict, "metadata")  # type: ignore[no-any-return]

@@ -8,6 +8,7 @@ keys every cache entry, so a change of any field makes old entries unreachable.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import Any
 
 import msgpack
 import xxhash
+
+from cacheproxy.digests import DigestMemo, hash_files
 
 FINGERPRINT_SCHEMA = 1
 WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf", ".bin")
@@ -27,7 +30,6 @@ TOKENIZER_FILES = (
     "merges.txt",
     "added_tokens.json",
 )
-CHUNK = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,15 +68,20 @@ def package_version(name: str) -> str:
         return "absent"
 
 
-def hash_files(paths: list[Path]) -> str:
-    """Content hash of files in the given order, each framed by its name and size."""
-    h = xxhash.xxh3_128()
-    for path in paths:
-        h.update(f"{path.name}\0{path.stat().st_size}\0".encode())
-        with path.open("rb") as f:
-            while block := f.read(CHUNK):
-                h.update(block)
-    return h.hexdigest()
+@dataclass(frozen=True, slots=True)
+class EngineVersions:
+    """The engine versions a fingerprint pins."""
+
+    engine_version: str
+    mlx_version: str
+
+
+def installed_versions() -> EngineVersions:
+    """The versions of mlx-lm and mlx installed in this environment."""
+    return EngineVersions(package_version("mlx-lm"), package_version("mlx"))
+
+
+VersionSource = Callable[[], EngineVersions]
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -105,28 +112,36 @@ def chat_template_text(model_dir: Path) -> str:
     return ""
 
 
+def watched_files(model_dir: Path) -> list[Path]:
+    """Every file whose change changes the fingerprint."""
+    names = ["config.json", "chat_template.jinja", *TOKENIZER_FILES]
+    files = [model_dir / n for n in names if (model_dir / n).is_file()]
+    return sorted(files + weight_files(model_dir))
+
+
 def compute(
     model_id: str,
     model_dir: Path,
     *,
     adapter_dir: Path | None = None,
     device: str = "",
-    engine_version: str | None = None,
-    mlx_version: str | None = None,
+    versions: VersionSource = installed_versions,
+    memo: DigestMemo | None = None,
 ) -> Fingerprint:
-    """Fingerprint a local model directory (versions are injectable for tests)."""
+    """Fingerprint a local model directory; weight digests come from the memo when unchanged."""
     config_path = model_dir / "config.json"
     config = json.loads(config_path.read_text())
     tokenizer_paths = [model_dir / n for n in TOKENIZER_FILES if (model_dir / n).exists()]
     template = chat_template_text(model_dir)
     adapters = sorted(adapter_dir.iterdir()) if adapter_dir else []
+    engine = versions()
     return Fingerprint(
         engine="mlx-lm",
-        engine_version=engine_version or package_version("mlx-lm"),
-        mlx_version=mlx_version or package_version("mlx"),
+        engine_version=engine.engine_version,
+        mlx_version=engine.mlx_version,
         model_id=model_id,
         model_path=str(model_dir.resolve()),
-        weights_digest=hash_files(weight_files(model_dir)),
+        weights_digest=hash_files(weight_files(model_dir), memo),
         quantization=quantization(config),
         config_digest=hash_files([config_path]),
         tokenizer_digest=hash_files(tokenizer_paths),

@@ -13,7 +13,7 @@ from cacheproxy.canonical import Endpoint, Parsed
 from cacheproxy.codec import Output
 from cacheproxy.errors import InvalidRequest, ProxyError
 from cacheproxy.service import Answer
-from cacheproxy.state import CACHE_LOG, PROXY, SETTINGS, STARTED
+from cacheproxy.state import CACHE_LOG, INVALIDATOR, PROXY, SETTINGS, STARTED
 
 
 def json_response(data: Any, *, status: int = 200, headers: dict[str, str] | None = None
@@ -154,7 +154,7 @@ async def health(request: web.Request) -> web.Response:
         "fingerprint": proxy.runner.fingerprint().digest,
         "lane": proxy.runner.lane_state(),
         "fills_in_progress": len(proxy.flights),
-        "counters": proxy.counters,
+        "counters": {**proxy.counters, **request.app[INVALIDATOR].counters},
         "time": time.time(),
     })
 

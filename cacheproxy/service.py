@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import msgpack
@@ -51,6 +51,10 @@ class ServiceOptions:
     generation_timeout: float = 300.0
 
 
+async def _always_open() -> None:
+    return None
+
+
 class CachingProxy:
     """Serve from the store, or fill it through the runner exactly once per key."""
 
@@ -60,9 +64,11 @@ class CachingProxy:
         store: Backend,
         options: ServiceOptions,
         *,
+        gate: Callable[[], Awaitable[None]] = _always_open,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.runner = runner
+        self._gate = gate
         self.store = store
         self.flights = Flights()
         self._options = options
@@ -72,6 +78,7 @@ class CachingProxy:
     async def answer(self, parsed: Parsed) -> Answer:
         """Find or produce the answer to a parsed request (the order of operations above)."""
         request = parsed.request
+        await self._gate()  # held while the model reloads, so the key uses the new fingerprint
         fingerprint = self.runner.fingerprint().digest
         key = make_key(request, fingerprint)
         decision = parsed.sampling.decision

@@ -5,14 +5,23 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from backends import default_disk_url
 from cacheproxy.demo_model import BUNDLED_MODEL
+from policies.invalidation import InvalidationPolicy
 from policies.sampling import SamplingMode
 
 DEMO_MODEL_ID = "cacheproxy-demo"
 ENV_PREFIX = "CACHEPROXY_"
+
+
+def default_digest_memo() -> str:
+    """Where remembered weight-file digests live: the user cache directory."""
+    import platformdirs
+
+    return str(Path(platformdirs.user_cache_dir("cacheproxy")) / "digests.json")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,6 +40,11 @@ class Settings:
     default_max_tokens: int = 256
     max_tokens_cap: int = 4096
     device_scope: bool = False
+    watch: bool = True
+    watch_interval: float = 2.0
+    reload_wait: float = 30.0
+    invalidation: InvalidationPolicy = InvalidationPolicy.PURGE
+    digest_memo: str = dataclasses.field(default_factory=default_digest_memo)
     log_format: str = "auto"
     log_level: str = "info"
 
@@ -55,6 +69,8 @@ def _convert(field: dataclasses.Field[Any], raw: object) -> object:
             return raw.strip().lower() in ("1", "true", "yes", "on")
         if kind == "SamplingMode":
             return SamplingMode(raw)
+        if kind == "InvalidationPolicy":
+            return InvalidationPolicy(raw)
     except ValueError as exc:
         raise ValueError(f"invalid value {raw!r} for setting '{field.name}': {exc}") from exc
     return raw
@@ -80,6 +96,8 @@ def validate(settings: Settings) -> None:
         "port": 0 <= settings.port <= 65535,
         "queue_size": settings.queue_size >= 1,
         "generation_timeout": settings.generation_timeout > 0,
+        "watch_interval": settings.watch_interval > 0,
+        "reload_wait": settings.reload_wait > 0,
         "max_body_bytes": settings.max_body_bytes >= 1024,
         "default_max_tokens": 1 <= settings.default_max_tokens <= settings.max_tokens_cap,
         "log_format": settings.log_format in ("auto", "json", "console"),

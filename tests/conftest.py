@@ -15,7 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from backends import open_backend
-from backends.base import Backend
+from backends.base import Backend, NamespaceStats
 from cacheproxy.app import create_app
 from cacheproxy.demo_model import BUNDLED_MODEL
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
@@ -49,6 +49,13 @@ class Proxy:
     app: web.Application
     client: openai.AsyncOpenAI
     store: Backend
+
+    async def entries(self) -> int:
+        """Entries stored under the serving fingerprint's namespace."""
+        if not isinstance(self.store, NamespaceStats):
+            raise AssertionError(f"{self.store!r} cannot count a namespace")
+        namespace = self.app[PROXY].runner.fingerprint().digest
+        return (await self.store.namespace_stats(namespace))[0]
 
     @property
     def generations(self) -> int:

@@ -8,8 +8,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from backends.base import StoreStats
-from tests.conftest import Proxy, ProxyFactory
+from tests.conftest import ProxyFactory
 
 CHAT = "/v1/chat/completions"
 OK_BODY = {"messages": [{"role": "user", "content": "Hello!"}]}
@@ -51,13 +50,6 @@ CASES: list[tuple[str, str, str, bytes, int, str | None, str | None]] = [
 ]
 
 
-async def _entries(proxy: Proxy) -> int:
-    store = proxy.store
-    if not isinstance(store, StoreStats):
-        raise AssertionError("the memory store reports stats")
-    return (await store.stats()).entries
-
-
 @pytest.mark.parametrize(("name", "method", "path", "body", "status", "param", "code"), CASES,
                          ids=[c[0] for c in CASES])
 async def test_bad_input_gets_openai_error_and_server_survives(
@@ -65,7 +57,7 @@ async def test_bad_input_gets_openai_error_and_server_survives(
     param: str | None, code: str | None,
 ) -> None:
     proxy = await make_proxy()
-    before = await _entries(proxy)
+    before = await proxy.entries()
     async with aiohttp.ClientSession() as session:
         async with session.request(method, proxy.url + path, data=body,
                                    headers={"Content-Type": "application/json"}) as resp:
@@ -76,7 +68,7 @@ async def test_bad_input_gets_openai_error_and_server_survives(
         assert error["type"] == "invalid_request_error"
         assert error["param"] == param
         assert error["code"] == code
-        assert await _entries(proxy) == before  # nothing stored
+        assert await proxy.entries() == before  # nothing stored
         async with session.post(proxy.url + CHAT, json=OK_BODY) as resp:
             assert resp.status == 200  # and the server still answers
 

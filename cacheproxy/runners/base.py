@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from cacheproxy.canonical import CanonicalRequest, RunnerDefaults
 from cacheproxy.codec import Chunk, Output
 from cacheproxy.errors import GenerationFailed, ProxyError
 from cacheproxy.fingerprint import Fingerprint
+from cacheproxy.watcher import Snapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,16 @@ class Runner(Protocol):
     """Anything that generates canonical requests one at a time."""
 
     generations: int
+    model_dir: Path | None
+
+    @property
+    def loaded_snapshot(self) -> Snapshot:
+        """File identities of the model as loaded (the watcher compares against them)."""
+        ...
+
+    async def reload(self) -> Fingerprint:
+        """Load the model files again; on failure raise and keep the old model."""
+        ...
 
     def defaults(self) -> RunnerDefaults:
         """The defaults filled into every canonical request."""

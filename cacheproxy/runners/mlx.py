@@ -18,9 +18,11 @@ from typing import Any, cast
 from cacheproxy import fingerprint as fp
 from cacheproxy.canonical import CanonicalRequest, RunnerDefaults
 from cacheproxy.codec import Output, TokenLogprob
+from cacheproxy.digests import DigestMemo
 from cacheproxy.errors import ContextLengthExceeded, Overloaded
 from cacheproxy.runners.assembler import Assembler
 from cacheproxy.runners.base import Finished, Generation, failure
+from cacheproxy.watcher import Snapshot, snapshot
 
 PREFILL_STEP = 512
 
@@ -35,6 +37,22 @@ class MlxOptions:
     default_max_tokens: int = 256
     max_tokens_cap: int = 4096
     device_scope: bool = False
+    digest_memo: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """Everything one load produced; swapped in as a whole, so a failed load changes nothing."""
+
+    model: Any
+    tokenizer: Any
+    defaults: RunnerDefaults
+    fingerprint: fp.Fingerprint
+    snapshot: Snapshot
+
+
+class ModelChanging(Exception):
+    """The model's files changed during a load; the watcher retries once they are stable."""
 
 
 def resolve_model_path(model: str) -> Path:
@@ -53,35 +71,51 @@ def resolve_model_path(model: str) -> Path:
 class MlxRunner:
     """The in-process runner: mlx_lm.load, a single worker thread, a bounded queue."""
 
-    def __init__(self, options: MlxOptions) -> None:
+    def __init__(
+        self, options: MlxOptions, *, versions: fp.VersionSource = fp.installed_versions
+    ) -> None:
         self._options = options
+        self._versions = versions
+        self._memo = DigestMemo(options.digest_memo)
         self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-lane")
         self._queued = 0
         self._busy = False
-        self._model: Any = None
-        self._tokenizer: Any = None
-        self._fingerprint: fp.Fingerprint | None = None
-        self._defaults: RunnerDefaults | None = None
+        self._loaded: Loaded | None = None
+        self.model_dir: Path | None = None
         self.generations = 0
+        self.reloads = 0
 
     async def start(self) -> None:
         """Load the model on the lane thread and fingerprint its files."""
+        self.model_dir = resolve_model_path(self._options.model)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._lane, self._load)
+        self._loaded = await loop.run_in_executor(self._lane, self._load, self.model_dir)
 
-    def _load(self) -> None:
+    async def reload(self) -> fp.Fingerprint:
+        """Load the model files again, after the generation in progress (same lane).
+
+        On failure the old model keeps serving and the error propagates to the caller.
+        """
+        if self.model_dir is None:
+            raise RuntimeError("runner not started")
+        loop = asyncio.get_running_loop()
+        self._loaded = await loop.run_in_executor(self._lane, self._load, self.model_dir)
+        self.reloads += 1
+        return self._loaded.fingerprint
+
+    def _load(self, path: Path) -> Loaded:
         from mlx_lm import load
 
-        path = resolve_model_path(self._options.model)
+        before = snapshot(path)
         loaded = load(str(path))
-        self._model, self._tokenizer = loaded[0], loaded[1]
+        model, tokenizer = loaded[0], loaded[1]
         config = json.loads((path / "config.json").read_text())
         context = int(
             config.get("max_position_embeddings")
-            or getattr(self._tokenizer, "model_max_length", 0)
+            or getattr(tokenizer, "model_max_length", 0)
             or 4096
         )
-        self._defaults = RunnerDefaults(
+        defaults = RunnerDefaults(
             model_id=self._options.model_id,
             aliases=frozenset({self._options.model, str(path)}),
             max_tokens=min(self._options.default_max_tokens, context),
@@ -89,21 +123,30 @@ class MlxRunner:
             context_length=context,
             vocab_size=int(config["vocab_size"]) if "vocab_size" in config else None,
         )
-        self._fingerprint = fp.compute(
-            self._options.model_id, path, device=_device() if self._options.device_scope else ""
-        )
+        device = _device() if self._options.device_scope else ""
+        fingerprint = fp.compute(self._options.model_id, path, device=device,
+                                 versions=self._versions, memo=self._memo)
+        if snapshot(path) != before:
+            raise ModelChanging(f"the files of {path} changed while loading")
+        return Loaded(model, tokenizer, defaults, fingerprint, before)
+
+    @property
+    def loaded_snapshot(self) -> Snapshot:
+        """File identities of the model as loaded (the watcher compares against them)."""
+        return self._current().snapshot
+
+    def _current(self) -> Loaded:
+        if self._loaded is None:
+            raise RuntimeError("runner not started")
+        return self._loaded
 
     def defaults(self) -> RunnerDefaults:
         """Filled-in parameters; valid after start()."""
-        if self._defaults is None:
-            raise RuntimeError("runner not started")
-        return self._defaults
+        return self._current().defaults
 
     def fingerprint(self) -> fp.Fingerprint:
         """The pinned tuple of the loaded model; valid after start()."""
-        if self._fingerprint is None:
-            raise RuntimeError("runner not started")
-        return self._fingerprint
+        return self._current().fingerprint
 
     def lane_state(self) -> dict[str, int]:
         """Queued jobs and whether one is generating."""
@@ -135,8 +178,7 @@ class MlxRunner:
         finally:
             self._busy = False
 
-    def _prompt_ids(self, request: CanonicalRequest) -> list[int]:
-        tok = self._tokenizer
+    def _prompt_ids(self, tok: Any, request: CanonicalRequest) -> list[int]:
         if request.endpoint == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -148,8 +190,10 @@ class MlxRunner:
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
 
-        prompt = self._prompt_ids(request)
-        context = self.defaults().context_length
+        loaded = self._current()  # fixed for this generation: a reload waits for the lane
+        model, tokenizer = loaded.model, loaded.tokenizer
+        prompt = self._prompt_ids(tokenizer, request)
+        context = loaded.defaults.context_length
         if len(prompt) >= context:
             raise ContextLengthExceeded(
                 f"the prompt is {len(prompt)} tokens; this model's context is {context} tokens",
@@ -157,18 +201,18 @@ class MlxRunner:
             )
         self.generations += 1
         sampler, processors = _sampling(request)
-        detok = self._tokenizer.detokenizer
+        detok = tokenizer.detokenizer
         detok.reset()
         assembler = Assembler(request.stop)
-        eos = self._tokenizer.eos_token_ids
+        eos = tokenizer.eos_token_ids
         finish, count = "length", 0
         steps = generate_step(
             mx.array(prompt),
-            self._model,
+            model,
             max_tokens=min(request.max_tokens, context - len(prompt)),
             sampler=sampler,
             logits_processors=processors,
-            prompt_cache=make_prompt_cache(self._model),  # cold prefill, every time
+            prompt_cache=make_prompt_cache(model),  # cold prefill, every time
             prefill_step_size=PREFILL_STEP,
         )
         chunks = []
@@ -182,7 +226,8 @@ class MlxRunner:
                 break
             count += 1
             detok.add_token(token)
-            lp = self._logprob(token, logprobs, request.top_logprobs) if request.logprobs else None
+            lp = _logprob(tokenizer, token, logprobs, request.top_logprobs) if request.logprobs \
+                else None
             chunk = assembler.add(token, detok.last_segment, lp)
             if chunk is not None:
                 chunks.append(chunk)
@@ -196,16 +241,6 @@ class MlxRunner:
             chunks.append(tail)
             generation.push(tail)
         return Output(tuple(chunks), finish, len(prompt), count)
-
-    def _logprob(self, token: int, logprobs: Any, top: int) -> TokenLogprob:
-        import mlx.core as mx
-
-        decode = self._tokenizer.decode
-        alternatives: tuple[tuple[int, str, float], ...] = ()
-        if top:
-            ids = cast(list[int], mx.argsort(-logprobs)[:top].tolist())
-            alternatives = tuple((i, decode([i]), float(logprobs[i].item())) for i in ids)
-        return TokenLogprob(token, decode([token]), float(logprobs[token].item()), alternatives)
 
     async def aclose(self) -> None:
         """Stop accepting work and let the lane thread finish."""
@@ -229,6 +264,17 @@ def _sampling(request: CanonicalRequest) -> tuple[Any, list[Any]]:
         frequency_penalty=request.frequency_penalty or None,
     )
     return sampler, processors
+
+
+def _logprob(tokenizer: Any, token: int, logprobs: Any, top: int) -> TokenLogprob:
+    import mlx.core as mx
+
+    decode = tokenizer.decode
+    alternatives: tuple[tuple[int, str, float], ...] = ()
+    if top:
+        ids = cast(list[int], mx.argsort(-logprobs)[:top].tolist())
+        alternatives = tuple((i, decode([i]), float(logprobs[i].item())) for i in ids)
+    return TokenLogprob(token, decode([token]), float(logprobs[token].item()), alternatives)
 
 
 def _device() -> str:
