@@ -1,4 +1,4 @@
-"""`cacheproxy` command line: serve, demo-model, fingerprint."""
+"""`cacheproxy` command line: serve, demo-model, fingerprint, stats, inspect, purge, verify."""
 
 from __future__ import annotations
 
@@ -49,6 +49,34 @@ def _parser() -> argparse.ArgumentParser:
 
     fpr = sub.add_parser("fingerprint", help="print the pinned configuration tuple as JSON")
     fpr.add_argument("--model", help="model directory (default: the demo model)")
+
+    st = sub.add_parser("stats", help="entries and bytes per namespace")
+    st.add_argument("--store")
+    st.add_argument("--json", action="store_true")
+
+    ins = sub.add_parser("inspect", help="one entry with its provenance")
+    ins.add_argument("key")
+    ins.add_argument("--store")
+    ins.add_argument("--json", action="store_true")
+
+    pg = sub.add_parser("purge", help="remove entries")
+    pg.add_argument("--store")
+    what = pg.add_mutually_exclusive_group(required=True)
+    what.add_argument("--superseded", action="store_true", help="every superseded namespace")
+    what.add_argument("--namespace", metavar="DIGEST")
+    what.add_argument("--key")
+    what.add_argument("--all", action="store_true", help="everything (asks unless --yes)")
+    pg.add_argument("--yes", action="store_true")
+
+    vf = sub.add_parser("verify", help="replay stored entries and compare byte for byte")
+    vf.add_argument("--store")
+    vf.add_argument("--model", help="model directory or repo (default: the demo model)")
+    vf.add_argument("--model-id", dest="model_id")
+    vf.add_argument("--namespace", metavar="DIGEST", help="default: the runner's fingerprint")
+    vf.add_argument("--sample", type=int, metavar="N", help="check N random entries")
+    vf.add_argument("--cross-fingerprint", action="store_true",
+                    help="compare entries of another fingerprint (an upgrade audit)")
+    vf.add_argument("--json", action="store_true")
     return parser
 
 
@@ -61,10 +89,53 @@ def main(argv: list[str] | None = None) -> int:
             return serve(build_settings(flags, os.environ))
         if args.command == "demo-model":
             return demo_model(args.out, args.quantize, args.retrain, args.steps)
-        return fingerprint(args.model)
+        if args.command == "fingerprint":
+            return fingerprint(args.model)
+        return asyncio.run(_store_command(args))
     except (ValueError, FileNotFoundError, FileExistsError) as exc:
         print(f"cacheproxy: error: {exc}", file=sys.stderr)
         return 2
+
+
+async def _store_command(args: argparse.Namespace) -> int:
+    from cacheproxy import store_cli
+
+    flags = {"store": args.store, "model": getattr(args, "model", None),
+             "model_id": getattr(args, "model_id", None)}
+    settings = build_settings(flags, os.environ)
+    if args.command == "stats":
+        return await store_cli.stats(settings.store, as_json=args.json)
+    if args.command == "inspect":
+        return await store_cli.inspect(settings.store, args.key, as_json=args.json)
+    if args.command == "purge":
+        return await store_cli.purge(
+            settings.store, superseded=args.superseded, namespace=args.namespace, key=args.key,
+            everything=args.all, confirm=lambda what: args.yes or _ask(what))
+    return await _verify(settings, args)
+
+
+def _ask(what: str) -> bool:
+    if not sys.stdin.isatty():
+        print(f"refusing to {what} without --yes (no terminal to ask)", file=sys.stderr)
+        return False
+    return input(f"{what}? type 'yes' to confirm: ").strip() == "yes"
+
+
+async def _verify(settings: Settings, args: argparse.Namespace) -> int:
+    from cacheproxy.runners.mlx import MlxOptions, MlxRunner
+    from cacheproxy.verify import print_report, verify
+
+    runner = MlxRunner(MlxOptions(model=settings.model, model_id=settings.served_model_id,
+                                  digest_memo=Path(settings.digest_memo)))
+    await runner.start()
+    try:
+        report = await verify(runner, settings.store, namespace=args.namespace,
+                              sample=args.sample, cross_fingerprint=args.cross_fingerprint,
+                              progress=not args.json)
+    finally:
+        await runner.aclose()
+    print_report(report, as_json=args.json)
+    return 0 if not report.mismatches else 1
 
 
 def serve(settings: Settings) -> int:

@@ -1,0 +1,156 @@
+"""`cacheproxy stats | inspect | purge`: look at and prune a store, with or without a server."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from backends import open_backend
+from backends.base import Backend, NamespacePurge, Scan, StoreStats
+from cacheproxy import codec
+from cacheproxy.namespaces import REGISTRY_KEY, Registry
+
+
+def _when(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+async def stats(url: str, *, as_json: bool, out: TextIO = sys.stdout) -> int:
+    """Entries and bytes per namespace, marking the current and the superseded ones."""
+    store = open_backend(url)
+    try:
+        reports = await Registry(store).report()
+        total = await store.stats() if isinstance(store, StoreStats) else None
+    finally:
+        await store.aclose()
+    rows: list[dict[str, Any]] = [
+        {"namespace": r.namespace.digest, "model_id": r.namespace.model_id,
+             "state": r.namespace.state, "entries": r.entries, "bytes": r.bytes,
+             "first_seen": r.namespace.first_seen, "last_seen": r.namespace.last_seen,
+             "engine": f"mlx-lm {r.namespace.fields.get('engine_version')} / "
+                       f"mlx {r.namespace.fields.get('mlx_version')}"}
+        for r in reports]
+    summary = {"store": url, "entries": total.entries if total else None,
+               "bytes": total.bytes if total else None,
+               "max_bytes": total.max_bytes if total else None, "namespaces": rows,
+               "hit_miss_counters": "not kept in the store; see GET /health of a running server"}
+    if as_json:
+        print(json.dumps(summary, indent=2), file=out)
+        return 0
+    print(f"store {url}: {summary['entries']} entries, {summary['bytes']} bytes "
+          f"(bound {summary['max_bytes']})", file=out)
+    print(f"{'namespace':34} {'state':11} {'entries':>8} {'bytes':>10}  model / engine / last seen",
+          file=out)
+    for r in rows:
+        print(f"{r['namespace']:34} {r['state']:11} {r['entries']:>8} {r['bytes']:>10}  "
+              f"{r['model_id']} / {r['engine']} / {_when(r['last_seen'])}", file=out)
+    return 0
+
+
+async def inspect(url: str, key: str, *, as_json: bool, out: TextIO = sys.stdout) -> int:
+    """One record with its provenance."""
+    store = open_backend(url)
+    try:
+        data = await store.get(key)
+    finally:
+        await store.aclose()
+    if data is None:
+        print(f"no entry {key}", file=sys.stderr)
+        return 1
+    try:
+        record = codec.decode(data)
+    except codec.CorruptRecord as exc:
+        print(f"entry {key} is corrupt: {exc}", file=sys.stderr)
+        return 1
+    view = record_view(key, record)
+    if as_json:
+        print(json.dumps(view, indent=2, ensure_ascii=False), file=out)
+        return 0
+    p = record.provenance
+    print(f"key          {key}", file=out)
+    print(f"created      {_when(p.get('created_at'))}  ({p.get('generation_ms')} ms to generate,"
+          f" proxy {p.get('proxy_version')})", file=out)
+    print(f"fingerprint  {p.get('fingerprint')}", file=out)
+    for name, value in (p.get("fingerprint_fields") or {}).items():
+        print(f"  {name:22} {value}", file=out)
+    print(f"request      {json.dumps(record.request, ensure_ascii=False)}", file=out)
+    o = record.output
+    print(f"finish       {o.finish_reason}; {o.prompt_tokens} prompt + {o.completion_tokens} "
+          f"completion tokens in {len(o.chunks)} chunks", file=out)
+    print(f"text         {o.text!r}", file=out)
+    return 0
+
+
+def record_view(key: str, record: codec.Record) -> dict[str, Any]:
+    """A record as plain JSON-able data."""
+    o = record.output
+    return {
+        "key": key,
+        "request": record.request,
+        "output": {
+            "text": o.text,
+            "finish_reason": o.finish_reason,
+            "prompt_tokens": o.prompt_tokens,
+            "completion_tokens": o.completion_tokens,
+            "token_ids": o.token_ids,
+            "chunks": [c.text for c in o.chunks],
+            "logprobs": [[lp.token, lp.logprob] for c in o.chunks for lp in c.logprobs] or None,
+        },
+        "provenance": record.provenance,
+    }
+
+
+async def purge(
+    url: str, *, superseded: bool, namespace: str | None, key: str | None, everything: bool,
+    confirm: Callable[[str], bool],
+) -> int:
+    """Remove entries; prints how many went."""
+    store = open_backend(url)
+    try:
+        removed = await _purge(store, superseded, namespace, key, everything, confirm)
+    finally:
+        await store.aclose()
+    if removed is None:
+        print("nothing removed", file=sys.stderr)
+        return 1
+    print(f"removed {removed} entries")
+    return 0
+
+
+async def _purge(store: Backend, superseded: bool, namespace: str | None, key: str | None,
+                 everything: bool, confirm: Callable[[str], bool]) -> int | None:
+    registry = Registry(store)
+    if key is not None:
+        return int(await store.delete(key))
+    if everything:
+        if not confirm("delete every entry of the store"):
+            return None
+        return await _delete_all(store)
+    if not isinstance(store, NamespacePurge):
+        raise ValueError("this store cannot purge by namespace")
+    if namespace is not None:
+        targets = [namespace]
+    elif superseded:
+        targets = [d for d, ns in (await registry.load()).items() if ns.state == "superseded"]
+    else:
+        raise ValueError("say what to purge: --superseded, --namespace, --key or --all")
+    removed = 0
+    for digest in targets:
+        removed += await store.purge_namespace(digest)
+    await registry.forget(targets)
+    return removed
+
+
+async def _delete_all(store: Backend) -> int:
+    if not isinstance(store, Scan):
+        raise ValueError("this store cannot list its keys")
+    removed = 0
+    while keys := await store.scan("", limit=1000):
+        for k in keys:
+            removed += int(await store.delete(k) and k != REGISTRY_KEY)
+    return removed

@@ -1,0 +1,147 @@
+"""`cacheproxy verify`: replay stored entries through the current runner, compare byte for byte.
+
+The replay goes through the same lane and the same determinism rewrite as a miss (the
+stored canonical request already is the rewritten one), so on the machine and runtime
+that produced an entry the exact-match rate is 100 %. Across fingerprints
+(`--cross-fingerprint`) it shows how an upgrade changed the answers.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import TextIO
+
+from backends import open_backend
+from backends.base import Backend, Scan
+from cacheproxy import codec
+from cacheproxy.canonical import CanonicalRequest
+from cacheproxy.runners.base import Runner
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """One entry whose replay differs, and where."""
+
+    key: str
+    first_diverging_token: int | None
+    reason: str
+    stored_text: str = ""
+    replayed_text: str = ""
+
+
+@dataclass(slots=True)
+class Report:
+    """The outcome of a verify run."""
+
+    runner_fingerprint: str
+    namespace: str
+    checked: int = 0
+    matched: int = 0
+    mismatches: list[Mismatch] = field(default_factory=list)
+
+    @property
+    def exact_match_rate(self) -> float:
+        """Fraction of checked entries whose replay is identical."""
+        return self.matched / self.checked if self.checked else 1.0
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token, or None when the sequences are equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+async def _keys(store: Backend, namespace: str) -> list[str]:
+    if not isinstance(store, Scan):
+        raise ValueError("this store cannot list its keys")
+    keys: list[str] = []
+    while page := await store.scan(namespace + "/", after=keys[-1] if keys else ""):
+        keys.extend(page)
+    return keys
+
+
+def compare(key: str, stored: codec.Output, replayed: codec.Output) -> Mismatch | None:
+    """Tokens, text, finish reason and (when stored) logprobs must all be identical."""
+    position = first_divergence(stored.token_ids, replayed.token_ids)
+    if position is not None:
+        return Mismatch(key, position, "tokens differ", stored.text, replayed.text)
+    if stored.text != replayed.text:
+        return Mismatch(key, None, "text differs", stored.text, replayed.text)
+    if stored.finish_reason != replayed.finish_reason:
+        return Mismatch(key, None, "finish reason differs")
+    lp_a = [lp.logprob for c in stored.chunks for lp in c.logprobs]
+    lp_b = [lp.logprob for c in replayed.chunks for lp in c.logprobs]
+    if lp_a and lp_a != lp_b:
+        where = next(i for i, (x, y) in enumerate(zip(lp_a, lp_b, strict=False)) if x != y)
+        return Mismatch(key, where, "logprobs differ")
+    return None
+
+
+async def verify(
+    runner: Runner, url: str, *, namespace: str | None, sample: int | None,
+    cross_fingerprint: bool, progress: bool = True,
+) -> Report:
+    """Replay entries of one namespace (default: the runner's) and compare."""
+    current = runner.fingerprint().digest
+    target = namespace or current
+    if target != current and not cross_fingerprint:
+        raise ValueError(
+            f"namespace {target} was produced under another fingerprint than the runner's "
+            f"({current}); pass --cross-fingerprint to compare across them")
+    store = open_backend(url)
+    report = Report(current, target)
+    try:
+        keys = await _keys(store, target)
+        if sample is not None and sample < len(keys):
+            keys = sorted(random.sample(keys, sample))
+        from tqdm import tqdm
+
+        for key in tqdm(keys, desc="verify", unit="entry", disable=not progress):
+            await _check(runner, store, key, report)
+    finally:
+        await store.aclose()
+    return report
+
+
+async def _check(runner: Runner, store: Backend, key: str, report: Report) -> None:
+    data = await store.get(key)
+    if data is None:
+        return  # purged or expired meanwhile
+    report.checked += 1
+    try:
+        record = codec.decode(data)
+    except codec.CorruptRecord as exc:
+        report.mismatches.append(Mismatch(key, None, f"undecodable: {exc}"))
+        return
+    generation = runner.generate(CanonicalRequest.from_wire(record.request))
+    async for _ in generation.chunks():
+        pass
+    if generation.output is None:
+        raise RuntimeError("replay ended without output")
+    mismatch = compare(key, record.output, generation.output)
+    if mismatch is None:
+        report.matched += 1
+    else:
+        report.mismatches.append(mismatch)
+
+
+def print_report(report: Report, *, as_json: bool, out: TextIO = sys.stdout) -> None:
+    """A one-screen summary, or the whole report as JSON."""
+    if as_json:
+        data = {**asdict(report), "exact_match_rate": report.exact_match_rate}
+        print(json.dumps(data, indent=2, ensure_ascii=False), file=out)
+        return
+    print(f"verified {report.checked} entries of namespace {report.namespace} against runner "
+          f"{report.runner_fingerprint}: exact-match rate {report.exact_match_rate:.1%} "
+          f"({report.matched}/{report.checked})", file=out)
+    for m in report.mismatches:
+        where = "" if m.first_diverging_token is None else \
+            f" at token {m.first_diverging_token}"
+        print(f"  MISMATCH {m.key}: {m.reason}{where}", file=out)
+        if m.stored_text or m.replayed_text:
+            print(f"    stored   {m.stored_text!r}\n    replayed {m.replayed_text!r}", file=out)
