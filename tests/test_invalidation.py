@@ -1,0 +1,172 @@
+"""Invalidation: a changed quant file, engine version or corrupt file, seen live or at start-up."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from backends.base import NamespaceStats
+from cacheproxy.demo_model import write_copy
+from cacheproxy.fingerprint import EngineVersions, installed_versions
+from cacheproxy.namespaces import Registry
+from cacheproxy.runners.mlx import MlxOptions, MlxRunner
+from cacheproxy.state import INVALIDATOR
+from policies.invalidation import InvalidationPolicy
+from tests.conftest import Proxy, ProxyFactory
+
+BODY = {"prompt": "The fox", "max_tokens": 16}
+
+
+@pytest.fixture(scope="session")
+def quantized(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """The demo model quantized to 4 and 8 bits with mlx-lm's convert, made once."""
+    base = tmp_path_factory.mktemp("quantized")
+    return {bits: write_copy(base / f"q{bits}", quantize=bits) for bits in (4, 8)}
+
+
+@pytest_asyncio.fixture
+async def own_runner() -> AsyncIterator[list[MlxRunner]]:
+    """Runners a test starts on its own model directory; all closed at teardown."""
+    runners: list[MlxRunner] = []
+    yield runners
+    for r in runners:
+        await r.aclose()
+
+
+async def _start(runners: list[MlxRunner], model: Path, **kw: object) -> MlxRunner:
+    r = MlxRunner(MlxOptions(model=str(model), model_id="demo"), **kw)  # type: ignore[arg-type]
+    await r.start()
+    runners.append(r)
+    return r
+
+
+async def _complete(proxy: Proxy) -> tuple[int, dict[str, str], dict[str, object]]:
+    async with aiohttp.ClientSession() as session, \
+            session.post(proxy.url + "/v1/completions", json=BODY) as resp:
+        return resp.status, dict(resp.headers), await resp.json()
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    try:
+        async with asyncio.timeout(20):
+            while not predicate():  # noqa: ASYNC110 - polls what the code exposes
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        raise AssertionError("condition not reached within 20 s") from None
+
+
+async def _namespace_entries(proxy: Proxy, digest: str) -> int:
+    assert isinstance(proxy.store, NamespaceStats)
+    return (await proxy.store.namespace_stats(digest))[0]
+
+
+async def test_quant_file_replaced_while_serving(
+    make_proxy: ProxyFactory, own_runner: list[MlxRunner], quantized: dict[int, Path],
+    tmp_path: Path,
+) -> None:
+    served = tmp_path / "served"
+    shutil.copytree(quantized[4], served)
+    runner = await _start(own_runner, served)
+    proxy = await make_proxy(the_runner=runner, watch_interval=0.1)
+    status, h1, body1 = await _complete(proxy)
+    old = h1["X-Cache-Fingerprint"]
+    assert status == 200 and h1["X-Cache"] == "MISS" and body1["system_fingerprint"] == old
+    assert await _namespace_entries(proxy, old) == 1
+
+    for name in ("config.json", "model.safetensors"):  # the 8-bit files replace the 4-bit ones
+        shutil.copy2(quantized[8] / name, served / name)
+    await _until(lambda: runner.fingerprint().digest != old)
+
+    status, h2, body2 = await _complete(proxy)
+    new = h2["X-Cache-Fingerprint"]
+    assert status == 200 and h2["X-Cache"] == "MISS"
+    assert new != old and body2["system_fingerprint"] == new
+    assert runner.fingerprint().quantization["bits"] == 8
+    await proxy.app[INVALIDATOR].idle()
+    assert await _namespace_entries(proxy, old) == 0  # purged in the background
+    registry = await Registry(proxy.store).load()
+    assert registry[old].state == "superseded" and registry[new].state == "current"
+    assert proxy.app[INVALIDATOR].counters["entries_purged"] == 1
+
+
+async def test_engine_upgrade_at_start_up_supersedes_and_purges(
+    make_proxy: ProxyFactory, own_runner: list[MlxRunner], tmp_path: Path,
+) -> None:
+    model = write_copy(tmp_path / "model")
+    store = f"disk://{tmp_path}/store"
+
+    def old_engine() -> EngineVersions:
+        return EngineVersions(engine_version="0.0.1", mlx_version="0.0.1")
+
+    before = await make_proxy(store=store, the_runner=await _start(own_runner, model,
+                                                                  versions=old_engine))
+    _, h1, _ = await _complete(before)
+    old = h1["X-Cache-Fingerprint"]
+    assert h1["X-Cache"] == "MISS" and await _namespace_entries(before, old) == 1
+
+    # The same model and store, restarted on the installed engine versions.
+    after = await make_proxy(store=store, the_runner=await _start(
+        own_runner, model, versions=installed_versions))
+    await after.app[INVALIDATOR].idle()
+    assert await _namespace_entries(after, old) == 0
+    _, h2, _ = await _complete(after)
+    assert h2["X-Cache"] == "MISS" and h2["X-Cache-Fingerprint"] != old
+    assert (await Registry(after.store).load())[old].state == "superseded"
+
+
+async def test_retain_policy_keeps_superseded_entries_unreachable(
+    make_proxy: ProxyFactory, own_runner: list[MlxRunner], tmp_path: Path,
+) -> None:
+    model = write_copy(tmp_path / "model")
+    store = f"disk://{tmp_path}/store"
+    first = await make_proxy(store=store, the_runner=await _start(
+        own_runner, model, versions=lambda: EngineVersions("1", "1")))
+    _, h1, _ = await _complete(first)
+    second = await make_proxy(store=store, invalidation=InvalidationPolicy.RETAIN,
+                              the_runner=await _start(own_runner, model,
+                                                      versions=lambda: EngineVersions("2", "1")))
+    await second.app[INVALIDATOR].idle()
+    old = h1["X-Cache-Fingerprint"]
+    assert await _namespace_entries(second, old) == 1  # kept for audit
+    _, h2, _ = await _complete(second)
+    assert h2["X-Cache"] == "MISS"  # but never served under the new fingerprint
+
+
+async def test_half_written_file_is_not_loaded_and_a_corrupt_one_keeps_the_old_model(
+    make_proxy: ProxyFactory, own_runner: list[MlxRunner], quantized: dict[int, Path],
+    tmp_path: Path,
+) -> None:
+    served = write_copy(tmp_path / "served")
+    runner = await _start(own_runner, served)
+    proxy = await make_proxy(the_runner=runner, watch_interval=0.3)
+    invalidator = proxy.app[INVALIDATOR]
+    first = runner.fingerprint().digest
+
+    # Write the 8-bit weights slowly: the size moves between every two polls.
+    shutil.copy2(quantized[8] / "config.json", served / "config.json")
+    content = (quantized[8] / "model.safetensors").read_bytes()
+    with (served / "model.safetensors").open("wb") as f:
+        for i in range(20):
+            f.write(content[i * len(content) // 20:(i + 1) * len(content) // 20])
+            f.flush()
+            await asyncio.sleep(0.05)
+            assert invalidator.counters["reload_failures"] == 0
+            assert runner.reloads == 0, "a half-written file was loaded"
+    await _until(lambda: runner.reloads == 1)
+    second = runner.fingerprint().digest
+    assert second != first and invalidator.counters["reload_failures"] == 0
+
+    # Now a complete but corrupt weight file: the load fails, the 8-bit model keeps serving.
+    (served / "model.safetensors").write_bytes(b"\x00garbage" * 4096)
+    await _until(lambda: invalidator.counters["reload_failures"] == 1)
+    assert runner.fingerprint().digest == second
+    status, headers, body = await _complete(proxy)
+    assert status == 200 and headers["X-Cache-Fingerprint"] == second and body["choices"]
+    await asyncio.sleep(1.0)  # the same broken files are not retried in a loop
+    assert invalidator.counters["reload_failures"] == 1

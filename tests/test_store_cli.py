@@ -1,0 +1,146 @@
+"""`cacheproxy verify | stats | inspect | purge` end to end, on a disk store a server filled."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+
+from cacheproxy import codec
+from cacheproxy.codec import Chunk, Output
+from cacheproxy.state import PROXY
+from tests.conftest import Proxy, ProxyFactory
+
+CLI = [sys.executable, "-m", "cacheproxy"]
+REQUESTS = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me about the cat."}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello!"}],
+                              "logprobs": True, "top_logprobs": 2}),
+    ("/v1/completions", {"prompt": "The wolf", "max_tokens": 20, "stop": ["moon"]}),
+    ("/v1/completions", {"prompt": "One day the duck", "max_tokens": 30, "logprobs": 1}),
+]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI as a user runs it."""
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                          timeout=120)
+
+
+async def _fill(proxy: Proxy) -> list[str]:
+    keys = []
+    async with aiohttp.ClientSession() as session:
+        for path, body in REQUESTS:
+            async with session.post(proxy.url + path, json=body) as resp:
+                assert resp.status == 200 and resp.headers["X-Cache"] == "MISS"
+                keys.append(resp.headers["X-Cache-Key"])
+    return keys
+
+
+async def test_verify_reports_100_percent_then_catches_a_tampered_record(
+    make_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    store = f"disk://{tmp_path}/store"
+    proxy = await make_proxy(store=store)
+    keys = await _fill(proxy)
+
+    ok = run("verify", "--store", store, "--json")
+    assert ok.returncode == 0, ok.stderr
+    report = json.loads(ok.stdout)
+    assert report["checked"] == len(REQUESTS) and report["exact_match_rate"] == 1.0
+    assert report["namespace"] == proxy.app[PROXY].runner.fingerprint().digest
+
+    # Tamper: one stored token changes (the checksum is recomputed, so it decodes fine).
+    record = codec.decode(await _get(proxy, keys[2]))
+    chunks = list(record.output.chunks)
+    third = chunks[1]
+    chunks[1] = Chunk(third.text, (third.tokens[0] + 1, *third.tokens[1:]), third.logprobs)
+    tampered = Output(tuple(chunks), record.output.finish_reason, record.output.prompt_tokens,
+                      record.output.completion_tokens)
+    position = len(chunks[0].tokens)
+    await proxy.store.set(keys[2], codec.encode(codec.Record(record.request, tampered,
+                                                             record.provenance)))
+    bad = run("verify", "--store", store, "--json")
+    assert bad.returncode == 1
+    report = json.loads(bad.stdout)
+    assert report["checked"] == len(REQUESTS) and report["matched"] == len(REQUESTS) - 1
+    (mismatch,) = report["mismatches"]
+    assert mismatch["key"] == keys[2] and mismatch["first_diverging_token"] == position
+    text = run("verify", "--store", store, "--sample", "4")
+    assert text.returncode == 1 and "MISMATCH" in text.stdout and "75.0%" in text.stdout
+
+
+async def _get(proxy: Proxy, key: str) -> bytes:
+    value = await proxy.store.get(key)
+    assert value is not None
+    return value
+
+
+async def test_verify_refuses_another_fingerprint_unless_asked(
+    make_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    store = f"disk://{tmp_path}/store"
+    await _fill(await make_proxy(store=store))
+    other = "0" * 32
+    refused = run("verify", "--store", store, "--namespace", other)
+    assert refused.returncode == 2 and "--cross-fingerprint" in refused.stderr
+    crossed = run("verify", "--store", store, "--namespace", other, "--cross-fingerprint",
+                  "--json")
+    assert crossed.returncode == 0 and json.loads(crossed.stdout)["checked"] == 0
+
+
+async def test_stats_inspect_and_purge_through_the_cli(
+    make_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    store = f"disk://{tmp_path}/store"
+    proxy = await make_proxy(store=store)
+    keys = await _fill(proxy)
+    digest = keys[0].split("/")[0]
+
+    stats = json.loads(run("stats", "--store", store, "--json").stdout)
+    (ns,) = stats["namespaces"]
+    assert (ns["namespace"], ns["state"], ns["entries"]) == (digest, "current", len(REQUESTS))
+    assert "current" in run("stats", "--store", store).stdout
+
+    view = json.loads(run("inspect", keys[1], "--store", store, "--json").stdout)
+    assert view["request"]["messages"] == [{"role": "user", "content": "Hello!"}]
+    assert view["output"]["logprobs"] and view["output"]["token_ids"]
+    provenance = view["provenance"]
+    assert provenance["fingerprint"] == digest
+    for field in ("created_at", "generation_ms", "proxy_version", "fingerprint_fields"):
+        assert provenance[field], field
+    assert provenance["fingerprint_fields"]["weights_digest"]
+    readable = run("inspect", keys[1], "--store", store).stdout
+    assert "fingerprint" in readable and "Hello" in readable
+    assert run("inspect", digest + "/nope", "--store", store).returncode == 1
+
+    assert run("purge", "--key", keys[0], "--store", store).stdout.strip() == "removed 1 entries"
+    assert run("purge", "--namespace", digest, "--store", store).stdout.strip() == \
+        f"removed {len(REQUESTS) - 1} entries"
+    await _fill(proxy)
+    refused = run("purge", "--all", "--store", store)  # no terminal to ask, no --yes
+    assert refused.returncode == 1 and "--yes" in refused.stderr
+    done = run("purge", "--all", "--yes", "--store", store)
+    assert done.stdout.strip() == f"removed {len(REQUESTS)} entries"
+    assert json.loads(run("stats", "--store", store, "--json").stdout)["entries"] == 0
+
+
+async def test_purge_superseded_through_the_cli(make_proxy: ProxyFactory, tmp_path: Path) -> None:
+    from cacheproxy.namespaces import Registry
+
+    store = f"disk://{tmp_path}/store"
+    proxy = await make_proxy(store=store)
+    await _fill(proxy)
+    registry = Registry(proxy.store)
+    namespaces = await registry.load()
+    (digest,) = namespaces
+    # As if the model had changed under a server running with --invalidation retain.
+    namespaces[digest] = replace(namespaces[digest], state="superseded")
+    await registry.save(namespaces)
+    out = run("purge", "--superseded", "--store", store)
+    assert out.stdout.strip() == f"removed {len(REQUESTS)} entries"
+    assert json.loads(run("stats", "--store", store, "--json").stdout)["namespaces"] == []
