@@ -1,0 +1,495 @@
+"""Cache-HIT throughput of `cacheproxy serve` next to a bare aiohttp responder.
+
+A benchmark, not a test. It starts, on 127.0.0.1 only:
+  * `cacheproxy serve --store memory://` (or the --store given) on a free port;
+    primes one entry (MISS) and checks the next identical request is `X-Cache: HIT`;
+  * a bare aiohttp app on uvloop (this file, `--_bare` mode) that answers
+    POST /v1/chat/completions with the very bytes of that HIT body (or, with
+    --stream, the HIT's SSE bytes), no logging.
+Then drives both with wrk (POST, one thread; connections 1, 16, 64), servers pinned to
+core 0 and wrk to core 1 when the machine has two cores or more, and prints a Markdown
+table (or --json). Falls back to a Python aiohttp load loop only when wrk is missing.
+
+    python loadtests/bench_hit.py                       # memory store, 5 s per point
+    python loadtests/bench_hit.py --store disk:///tmp/x --stream
+    python loadtests/bench_hit.py --smoke --json        # concurrency 1, 1 s, no warm-up
+
+The table also gives each server's CPU time (user + sys, from /proc) per request: on a
+shared machine rps moves with other load, CPU per request much less. wrk durations are
+whole seconds. Both servers are terminated on exit, on error and on Ctrl-C; every step has
+a time bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+HOST = "127.0.0.1"
+PATH = "/v1/chat/completions"
+BODY: dict[str, Any] = {
+    "model": "cacheproxy-demo",
+    "messages": [{"role": "user", "content": "What does the fox eat?"}],
+    "max_tokens": 32,
+}
+SERVER_CORE, LOAD_CORE = 0, 1
+START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 5.0
+
+# wrk prints one JSON line from done(): the numbers we need, in microseconds.
+WRK_LUA = """\
+wrk.method = "POST"
+wrk.body = %(body)s
+wrk.headers["Content-Type"] = "application/json"
+
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'BENCH_JSON {"requests":%%d,"duration_us":%%d,"bytes":%%d,"p50_us":%%d,"p90_us":%%d,' ..
+    '"p99_us":%%d,"max_us":%%d,"mean_us":%%f,"connect":%%d,"read":%%d,"write":%%d,' ..
+    '"status":%%d,"timeout":%%d}\\n',
+    summary.requests, summary.duration, summary.bytes,
+    latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.max,
+    latency.mean, e.connect, e.read, e.write, e.status, e.timeout))
+end
+"""
+
+
+class BenchError(RuntimeError):
+    """Something the benchmark cannot go on without."""
+
+
+@dataclass
+class Point:
+    """One measured (target, concurrency) point."""
+
+    target: str
+    concurrency: int
+    requests: int
+    seconds: float
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    cpu_us_per_req: float | None = None  # server CPU (user+sys, all threads) per request
+
+
+# -- bare responder (runs as its own process) ------------------------------------------
+
+
+def serve_bare(port: int, body_file: str, stream: bool) -> None:
+    """A minimal aiohttp app on uvloop answering POST /v1/chat/completions with fixed bytes."""
+    import uvloop
+    from aiohttp import web
+
+    payload = Path(body_file).read_bytes()
+
+    async def whole(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        return web.Response(body=payload, content_type="application/json")
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        await response.write(payload)
+        await response.write_eof()
+        return response
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post(PATH, sse if stream else whole)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, HOST, port).start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    uvloop.run(main())
+
+
+# -- processes ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def pinned(argv: list[str], core: int | None) -> list[str]:
+    if core is None:
+        return argv
+    taskset = shutil.which("taskset")
+    return [taskset, "-c", str(core), *argv] if taskset else argv
+
+
+class Procs:
+    """Child processes, each in its own session; all stopped on close()."""
+
+    def __init__(self) -> None:
+        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(self, name: str, argv: list[str], log: Path, core: int | None
+              ) -> subprocess.Popen[bytes]:
+        preexec = None
+        if core is not None and not shutil.which("taskset"):
+            def preexec() -> None:  # no taskset: pin the child ourselves
+                os.sched_setaffinity(0, {core})
+        with log.open("wb") as out:
+            proc = subprocess.Popen(pinned(argv, core), stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=preexec)
+        self.children.append((name, proc))
+        return proc
+
+    def close(self) -> None:
+        for _, proc in self.children:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for _, proc in self.children:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=STOP_TIMEOUT_S)
+        self.children.clear()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process (all its threads), from /proc; None elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def http(method: str, url: str, body: bytes | None = None, timeout: float = 30.0
+         ) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(url, data=body, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers.items()), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers.items()), exc.read()
+
+
+def wait_ready(proc: subprocess.Popen[bytes], probe: Any, log: Path, what: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:]
+            raise BenchError(f"{what} exited with {proc.returncode} before it was ready:\n{tail}")
+        with contextlib.suppress(OSError):
+            if probe():
+                return
+        time.sleep(0.1)
+    raise BenchError(f"{what} was not ready within {START_TIMEOUT_S:g} s (log: {log})")
+
+
+# -- load generators ---------------------------------------------------------------------
+
+
+def run_wrk(wrk: str, url: str, script: Path, conns: int, seconds: float, core: int | None
+            ) -> dict[str, Any]:
+    argv = pinned([wrk, "-t1", f"-c{conns}", f"-d{max(1, round(seconds))}s", "--latency",
+                   "--timeout", "10s", "-s", str(script), url], core)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 30)
+    for line in done.stdout.splitlines():
+        if line.startswith("BENCH_JSON "):
+            return dict(json.loads(line[len("BENCH_JSON "):]))
+    raise BenchError(f"wrk gave no result (exit {done.returncode}):\n{done.stdout}{done.stderr}")
+
+
+def wrk_point(name: str, result: dict[str, Any], conns: int) -> Point:
+    seconds = result["duration_us"] / 1e6
+    errors = sum(result[k] for k in ("connect", "read", "write", "status", "timeout"))
+    return Point(name, conns, result["requests"], round(seconds, 3),
+                 round(result["requests"] / seconds, 1),
+                 round(result["p50_us"] / 1000, 3), round(result["p99_us"] / 1000, 3), errors)
+
+
+async def _python_load(url: str, payload: bytes, conns: int, seconds: float) -> Point:
+    import aiohttp
+
+    latencies: list[float] = []
+    errors = 0
+    stop_at = time.monotonic() + seconds
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal errors
+        while time.monotonic() < stop_at:
+            t0 = time.perf_counter()
+            try:
+                async with session.post(url, data=payload,
+                                        headers={"Content-Type": "application/json"}) as r:
+                    await r.read()
+                    if r.status != 200:
+                        errors += 1
+                        continue
+            except (aiohttp.ClientError, TimeoutError):
+                errors += 1
+                continue
+            latencies.append(time.perf_counter() - t0)
+
+    connector = aiohttp.TCPConnector(limit=conns)
+    timeout = aiohttp.ClientTimeout(total=10)
+    started = time.monotonic()
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await asyncio.gather(*(worker(session) for _ in range(conns)))
+    elapsed = time.monotonic() - started
+    latencies.sort()
+
+    def pct(p: float) -> float:
+        if not latencies:
+            return float("nan")
+        return round(latencies[min(len(latencies) - 1, int(p * len(latencies)))] * 1000, 3)
+
+    return Point("", conns, len(latencies), round(elapsed, 3),
+                 round(len(latencies) / elapsed, 1), pct(0.50), pct(0.99), errors)
+
+
+def run_python(url: str, payload: bytes, conns: int, seconds: float) -> Point:
+    return asyncio.run(asyncio.wait_for(_python_load(url, payload, conns, seconds),
+                                        seconds + 30))
+
+
+# -- the benchmark -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def servers(args: argparse.Namespace, work: Path, payload: bytes
+            ) -> Iterator[tuple[dict[str, tuple[str, int]], dict[str, Any]]]:
+    """Start cacheproxy, prime and verify a HIT, start the bare responder.
+
+    Yields {"bare": (url, pid), "cacheproxy": (url, pid)} and facts about the HIT.
+    """
+    procs = Procs()
+    core = SERVER_CORE if args.pin else None
+    try:
+        cp_port = free_port()
+        cp_log = work / "cacheproxy.log"
+        cp = procs.start("cacheproxy", [*args.cacheproxy, "serve", "--host", HOST,
+                                        "--port", str(cp_port), "--store", args.store,
+                                        "--log-level", "warning"], cp_log, core)
+        base = f"http://{HOST}:{cp_port}"
+        wait_ready(cp, lambda: http("GET", base + "/health", timeout=2)[0] == 200, cp_log,
+                   "cacheproxy")
+        first = http("POST", base + PATH, payload)
+        if first[0] != 200:
+            raise BenchError(f"priming request answered {first[0]}: {first[2][:500]!r}")
+        status, headers, hit_body = http("POST", base + PATH, payload)
+        cache = headers.get("X-Cache", "")
+        if status != 200 or not cache.startswith("HIT"):
+            raise BenchError(f"second request was not a HIT: {status} X-Cache={cache!r}")
+        hit_file = work / "hit_body"
+        hit_file.write_bytes(hit_body)
+
+        bare_port = free_port()
+        bare_log = work / "bare.log"
+        bare_argv = [sys.executable, str(Path(__file__).resolve()), "--_bare", str(bare_port),
+                     str(hit_file)] + (["--stream"] if args.stream else [])
+        bare = procs.start("bare", bare_argv, bare_log, core)
+        bare_url = f"http://{HOST}:{bare_port}{PATH}"
+        wait_ready(bare, lambda: http("POST", bare_url, payload, timeout=2)[0] == 200, bare_log,
+                   "bare responder")
+        bare_body = http("POST", bare_url, payload)[2]
+        if len(bare_body) != len(hit_body):
+            raise BenchError(f"bare body is {len(bare_body)} bytes, the hit {len(hit_body)}")
+        info = {"priming_x_cache": first[1].get("X-Cache", ""), "verify_x_cache": cache,
+                "hit_body_bytes": len(hit_body),
+                "hit_headers": {k: v for k, v in headers.items() if k.startswith("X-Cache")}}
+        yield {"bare": (bare_url, bare.pid), "cacheproxy": (base + PATH, cp.pid)}, info
+        # Still a HIT after the load (nothing was evicted or refilled meanwhile).
+        after = http("POST", base + PATH, payload)[1].get("X-Cache", "")
+        if not after.startswith("HIT"):
+            raise BenchError(f"after the load the request is no longer a HIT: {after!r}")
+    finally:
+        procs.close()
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    body = dict(BODY, stream=True) if args.stream else BODY
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    wrk = None if args.load == "python" else shutil.which("wrk")
+    if args.load == "wrk" and wrk is None:
+        raise BenchError("--load wrk but wrk is not on PATH")
+    generator = "wrk" if wrk else "python-aiohttp"
+    why = "forced by --load python" if args.load == "python" else "wrk not found"
+    print(f"load generator: {generator}"
+          + ("" if wrk else f" ({why}; numbers are bounded by the Python client)"),
+          file=sys.stderr, flush=True)
+    load_core = LOAD_CORE if args.pin else None
+    if not wrk and load_core is not None:
+        os.sched_setaffinity(0, {load_core})
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench_hit_") as tmp:
+        work = Path(tmp)
+        script = work / "post.lua"
+        script.write_text(WRK_LUA % {"body": json.dumps(payload.decode())})
+        with servers(args, work, payload) as (targets, info):
+            for conns in args.concurrency:
+                pair: dict[str, Point] = {}
+                for name, (url, pid) in targets.items():
+                    cpu0 = 0.0
+                    if wrk:
+                        if args.warmup > 0:
+                            run_wrk(wrk, url, script, conns, args.warmup, load_core)
+                        cpu0 = cpu_seconds(pid) or 0.0
+                        point = wrk_point(name, run_wrk(wrk, url, script, conns,
+                                                        args.duration, load_core), conns)
+                    else:
+                        if args.warmup > 0:
+                            run_python(url, payload, conns, args.warmup)
+                        cpu0 = cpu_seconds(pid) or 0.0
+                        point = run_python(url, payload, conns, args.duration)
+                        point.target = name
+                    cpu1 = cpu_seconds(pid)
+                    if cpu1 is not None and point.requests:
+                        point.cpu_us_per_req = round((cpu1 - cpu0) / point.requests * 1e6, 1)
+                    pair[name] = point
+                    print(f"  c={conns:<3} {name:<10} {point.rps:>9.1f} rps  "
+                          f"p50 {point.p50_ms:.2f} ms  p99 {point.p99_ms:.2f} ms  "
+                          f"cpu {point.cpu_us_per_req} us/req  errors {point.errors}",
+                          file=sys.stderr, flush=True)
+                b, c = pair["bare"], pair["cacheproxy"]
+                cpu_ratio = (round(b.cpu_us_per_req / c.cpu_us_per_req, 3)
+                             if b.cpu_us_per_req and c.cpu_us_per_req else None)
+                rows.append({"concurrency": conns, "bare": asdict(b), "cacheproxy": asdict(c),
+                             "ratio": round(c.rps / b.rps, 3) if b.rps else None,
+                             "cpu_ratio": cpu_ratio})
+    return {
+        "load_generator": generator, "store": args.store, "stream": args.stream,
+        "duration_s": args.duration, "warmup_s": args.warmup, "threads": 1,
+        "pinned": {"servers": SERVER_CORE, "load": LOAD_CORE} if args.pin else None,
+        "cpus": os.cpu_count(), "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
+        **info, "rows": rows,
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    pin = result["pinned"]
+    lines = [
+        f"load generator: {result['load_generator']}; store {result['store']}; "
+        f"{'stream' if result['stream'] else 'non-stream'}; {result['duration_s']:g} s per point "
+        f"(+{result['warmup_s']:g} s warm-up); hit body {result['hit_body_bytes']} B; "
+        + (f"servers on core {pin['servers']}, load on core {pin['load']}" if pin
+           else "not pinned")
+        + f"; load average at the end {result['loadavg_1m_at_end']:g}",
+        "CPU ratio = bare CPU/req over cacheproxy CPU/req: the throughput ratio when both are"
+        " CPU-bound, and less disturbed than rps by other load on the machine.",
+        "",
+        "| concurrency | bare rps | cacheproxy rps | ratio | bare p50/p99 ms "
+        "| cacheproxy p50/p99 ms | server CPU µs/req bare / cacheproxy (ratio) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in result["rows"]:
+        b, c = row["bare"], row["cacheproxy"]
+        ratio = _num(row["ratio"])
+        lines.append(f"| {row['concurrency']} | {b['rps']:.0f} | {c['rps']:.0f} | {ratio} "
+                     f"| {b['p50_ms']:.2f} / {b['p99_ms']:.2f} "
+                     f"| {c['p50_ms']:.2f} / {c['p99_ms']:.2f} "
+                     f"| {_cpu(b)} / {_cpu(c)} ({_num(row['cpu_ratio'])}) |")
+    errors = sum(r["bare"]["errors"] + r["cacheproxy"]["errors"] for r in result["rows"])
+    if errors:
+        lines.append(f"\nWARNING: {errors} request errors (socket errors or non-2xx)")
+    return "\n".join(lines)
+
+
+def _cpu(point: dict[str, Any]) -> str:
+    return _num(point["cpu_us_per_req"], "{:.0f}")
+
+
+def _num(value: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _default_cacheproxy() -> list[str]:
+    exe = Path(sys.executable).with_name("cacheproxy")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "cacheproxy"]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--store", default="memory://", help="store URL passed to cacheproxy serve")
+    p.add_argument("--stream", action="store_true", help="measure stream: true hits")
+    p.add_argument("--duration", type=float, default=5.0, help="seconds per point (default 5)")
+    p.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds per point")
+    p.add_argument("--concurrency", default="1,16,64", help="comma-separated connections")
+    p.add_argument("--smoke", action="store_true", help="concurrency 1, 1 s, no warm-up")
+    p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
+    p.add_argument("--load", choices=["auto", "wrk", "python"], default="auto",
+                   help="load generator (auto: wrk when installed)")
+    p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin to cores")
+    p.add_argument("--cacheproxy", nargs="+", default=None, metavar="ARG",
+                   help="command that runs the cacheproxy CLI (default: the venv's);"
+                   " give it last, it takes the remaining arguments")
+    p.add_argument("--_bare", nargs=2, metavar=("PORT", "BODY_FILE"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._bare:
+        return args
+    if args.smoke:
+        args.concurrency, args.duration, args.warmup = "1", 1.0, 0.0
+    args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    if not args.concurrency or min(args.concurrency) < 1:
+        p.error("--concurrency needs positive integers")
+    if args.duration <= 0 or args.warmup < 0:
+        p.error("--duration must be > 0 and --warmup >= 0")
+    args.cacheproxy = args.cacheproxy or _default_cacheproxy()
+    args.pin = args.pin and (os.cpu_count() or 1) >= 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args._bare:
+        serve_bare(int(args._bare[0]), args._bare[1], args.stream)
+        return 0
+    # SIGINT (even if inherited as ignored) and SIGTERM unwind as KeyboardInterrupt, so the
+    # servers are stopped by the finally blocks.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        result = measure(args)
+    except KeyboardInterrupt:
+        print("interrupted; servers stopped", file=sys.stderr)
+        return 130
+    except (BenchError, subprocess.TimeoutExpired, TimeoutError) as exc:
+        print(f"bench_hit: error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2) if args.json else markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
