@@ -1,10 +1,9 @@
-"""create_app(settings): routes, middlewares, and the lifecycle of runner, store and fills."""
+"""create_app(settings): routes and the lifecycle of runner, store, invalidation and fills."""
 
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import structlog
@@ -13,74 +12,37 @@ from aiohttp import web
 from backends import open_backend
 from backends.base import Backend
 from cacheproxy import handlers
-from cacheproxy.errors import (
-    GenerationFailed,
-    MethodNotAllowed,
-    PayloadTooLarge,
-    ProxyError,
-    RouteNotFound,
-)
+from cacheproxy.edge import edge, no_route
 from cacheproxy.invalidation import Invalidator
 from cacheproxy.runners.base import Runner
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
 from cacheproxy.service import CachingProxy, ServiceOptions
 from cacheproxy.settings import Settings
-from cacheproxy.state import CACHE_LOG, INVALIDATOR, PROXY, SETTINGS, STARTED
+from cacheproxy.state import HOT, INVALIDATOR, PROXY, SETTINGS, STARTED, Hot
 
-log = structlog.get_logger("cacheproxy.access")
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _as_proxy_error(exc: web.HTTPException, request: web.Request) -> ProxyError:
-    if exc.status == 413:
-        limit = request.app[SETTINGS].max_body_bytes
-        return PayloadTooLarge(f"the request body is over the limit of {limit} bytes")
-    if exc.status == 405:
-        return MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
-    return RouteNotFound(f"no endpoint {request.method} {request.path}")
-
-
-def _error_response(error: ProxyError) -> web.Response:
-    return handlers.json_response(error.body(), status=error.status, headers=error.headers())
-
-
-@web.middleware
-async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Request id, OpenAI-shaped errors for everything, one log line per request."""
-    started = time.monotonic()
-    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-    try:
-        response = await handler(request)
-    except ProxyError as exc:
-        response = _error_response(exc)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        response = _error_response(_as_proxy_error(exc, request))
-    except Exception:
-        log.exception("unhandled_error", request_id=request_id, path=request.path)
-        response = _error_response(GenerationFailed("internal error"))
-    if not response.prepared:
-        response.headers["X-Request-Id"] = request_id
-    cache = request.get(CACHE_LOG, {})
-    log.info("request", request_id=request_id, method=request.method, path=request.path,
-             status=response.status, total_ms=round((time.monotonic() - started) * 1000, 2),
-             **cache)
-    return response
+log = structlog.get_logger("cacheproxy.app")
 
 
 def create_app(
     settings: Settings, *, runner: Runner | None = None, store: Backend | None = None
 ) -> web.Application:
     """The aiohttp application; a given (already started) runner or store is used as is."""
-    app = web.Application(middlewares=[edge], client_max_size=settings.max_body_bytes)
+    app = web.Application(client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
     app[STARTED] = time.time()
+    app[HOT] = Hot()
     app.cleanup_ctx.append(_lifecycle(settings, runner, store))
-    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
-    app.router.add_post("/v1/completions", handlers.completions)
-    app.router.add_get("/v1/models", handlers.models)
-    app.router.add_get("/health", handlers.health)
+    routes = [
+        ("POST", "/v1/chat/completions", handlers.chat_completions),
+        ("POST", "/v1/completions", handlers.completions),
+        ("GET", "/v1/models", handlers.models),
+        ("GET", "/health", handlers.health),
+    ]
+    allowed: dict[str, set[str]] = {}
+    for method, path, handler in routes:
+        app.router.add_route(method, path, edge(handler))
+        allowed.setdefault(path, set()).add(method)
+    app.router.add_route("*", "/{tail:.*}", edge(no_route(allowed)))
     return app
 
 

@@ -8,8 +8,10 @@ runner generates from. Delivery options (stream, include_usage, n) live beside i
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
+
+import msgpack
 
 from cacheproxy import fields
 from cacheproxy.errors import InvalidRequest, ModelNotFound, Unsupported
@@ -56,10 +58,31 @@ class CanonicalRequest:
     logit_bias: tuple[tuple[int, float], ...]
     logprobs: bool
     top_logprobs: int
+    packed: bytes = field(init=False, repr=False, compare=False)
+    """msgpack of `wire()`, computed once: the key hashes it, a hit compares it."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "packed", msgpack.packb(self.wire(), use_bin_type=True))
 
     def wire(self) -> dict[str, Any]:
         """Plain-data form (msgpack-able), used for the key and stored in the record."""
-        return asdict(self)
+        s = self.sampling
+        return {
+            "endpoint": self.endpoint,
+            "model": self.model,
+            "messages": [{"role": m.role, "content": m.content} for m in self.messages],
+            "prompt": self.prompt,
+            "max_tokens": self.max_tokens,
+            "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                         "min_p": s.min_p, "seed": s.seed},
+            "stop": list(self.stop),
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": [list(b) for b in self.logit_bias],
+            "logprobs": self.logprobs,
+            "top_logprobs": self.top_logprobs,
+        }
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> CanonicalRequest:
@@ -162,8 +185,8 @@ def _logprobs(body: Mapping[str, Any], endpoint: Endpoint) -> tuple[bool, int]:
 
 
 def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
-    for field in ("tools", "functions"):
-        fields.reject_if_set(body, field, "this proxy serves plain text generation")
+    for name in ("tools", "functions"):
+        fields.reject_if_set(body, name, "this proxy serves plain text generation")
     # The explicit defaults some SDKs send are harmless; anything else is refused.
     if body.get("tool_choice") not in (None, "none"):
         fields.reject_if_set(body, "tool_choice", "this proxy serves plain text generation")

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from cacheproxy import __version__
+from cacheproxy.logs import BatchedLines
 from cacheproxy.settings import Settings, build_settings
 
 
@@ -144,15 +145,18 @@ def serve(settings: Settings) -> int:
 
     from cacheproxy import logs
 
-    logs.configure(fmt=settings.log_format, level=settings.log_level)
-    uvloop.run(_serve(settings))
+    batched = logs.configure(fmt=settings.log_format, level=settings.log_level)
+    uvloop.run(_serve(settings, batched))
     return 0
 
 
-async def _serve(settings: Settings) -> None:
+async def _serve(settings: Settings, batched: BatchedLines | None) -> None:
     from aiohttp import web
 
+    from cacheproxy import logs
     from cacheproxy.app import create_app
+
+    flusher = asyncio.create_task(logs.flush_periodically(batched)) if batched else None
 
     runner = web.AppRunner(create_app(settings), access_log=None)
     await runner.setup()
@@ -168,6 +172,9 @@ async def _serve(settings: Settings) -> None:
         await stop.wait()
     finally:
         await runner.cleanup()
+        if flusher is not None:
+            flusher.cancel()
+            await asyncio.gather(flusher, return_exceptions=True)
 
 
 def demo_model(out: Path, quantize: int | None, retrain: bool, steps: int | None) -> int:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -48,16 +49,18 @@ class Fingerprint:
     chat_template_digest: str
     adapter_digest: str
     device: str
+    digest: str = field(init=False, repr=False, compare=False)
+    """xxh3_128 over msgpack of the fields; computed once (it is on every request's path)."""
 
-    @property
-    def digest(self) -> str:
-        """xxh3_128 over msgpack of the fields."""
+    def __post_init__(self) -> None:
         packed = msgpack.packb([FINGERPRINT_SCHEMA, self.fields()], use_bin_type=True)
-        return xxhash.xxh3_128_hexdigest(packed)
+        object.__setattr__(self, "digest", xxhash.xxh3_128_hexdigest(packed))
 
     def fields(self) -> dict[str, Any]:
-        """The fields as plain data."""
-        return asdict(self)
+        """The fields as plain data (quantization keys sorted, so order never matters)."""
+        out = {f.name: getattr(self, f.name) for f in dataclass_fields(self) if f.init}
+        out["quantization"] = dict(sorted(self.quantization.items()))
+        return out
 
 
 def package_version(name: str) -> str:

@@ -8,28 +8,23 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from cacheproxy import canonical, render
+from cacheproxy import render
 from cacheproxy.canonical import Endpoint, Parsed
-from cacheproxy.codec import Output
-from cacheproxy.errors import InvalidRequest, ProxyError
+from cacheproxy.codec import Chunk, Output
+from cacheproxy.errors import ProxyError
+from cacheproxy.hot import CREATED_MARK, ID_MARK
 from cacheproxy.service import Answer
-from cacheproxy.state import CACHE_LOG, INVALIDATOR, PROXY, SETTINGS, STARTED
+from cacheproxy.state import CACHE_LOG, HOT, INVALIDATOR, PROXY, SETTINGS, STARTED
+
+JSON = "application/json"
+SSE = "text/event-stream"
 
 
 def json_response(data: Any, *, status: int = 200, headers: dict[str, str] | None = None
                   ) -> web.Response:
     """A JSON response serialized with orjson."""
     return web.Response(body=orjson.dumps(data), status=status, headers=headers,
-                        content_type="application/json")
-
-
-async def read_json(request: web.Request) -> object:
-    """The decoded body; 400 on anything that is not JSON (413 is raised by aiohttp)."""
-    raw = await request.read()
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+                        content_type=JSON)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -43,9 +38,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-    proxy, settings = request.app[PROXY], request.app[SETTINGS]
-    body = await read_json(request)
-    parsed = canonical.parse(body, endpoint, proxy.runner.defaults(), settings.sampling)
+    app = request.app
+    proxy, hot = app[PROXY], app[HOT]
+    parsed = hot.parser.parse(await request.read(), endpoint, proxy.runner.defaults(),
+                              app[SETTINGS].sampling)
     answer = await proxy.answer(parsed)
     if answer.flight is not None:
         await answer.flight.started()  # errors before the first token are real HTTP errors
@@ -54,12 +50,40 @@ async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
                             flight=answer.flight)
     request[CACHE_LOG] = {"cache": answer.status, "reason": answer.reason, "key": answer.key[33:45]}
     headers = _cache_headers(answer, parsed)
-    frame = render.new_frame(endpoint, parsed.delivery, parsed.request.model, answer.fingerprint,
-                             logprobs=parsed.request.logprobs, cached=answer.status == "HIT")
+    if answer.record is not None:
+        return _hit(request, answer, parsed, headers)
+    frame = _frame(parsed, answer, hot.ids.next(endpoint), int(time.time()))
     if parsed.delivery.stream:
         return await _stream(request, answer, frame, headers)
-    output = await _whole(answer)
-    return json_response(render.body(frame, output), headers=headers)
+    return json_response(render.body(frame, await _whole(answer)), headers=headers)
+
+
+def _frame(parsed: Parsed, answer: Answer, response_id: str, created: int) -> render.Frame:
+    return render.Frame(response_id, created, parsed.request.model, answer.fingerprint,
+                        parsed.request.endpoint, parsed.delivery, parsed.request.logprobs,
+                        cached=answer.status == "HIT")
+
+
+def _hit(request: web.Request, answer: Answer, parsed: Parsed, headers: dict[str, str]
+         ) -> web.Response:
+    """A stored answer: rendered once per record and delivery, then id and time spliced in."""
+    record, hot = answer.record, request.app[HOT]
+    if record is None:
+        raise RuntimeError("a hit without a record")
+    template = _frame(parsed, answer, ID_MARK, CREATED_MARK)
+    if parsed.delivery.stream:
+        def draw() -> bytes:
+            return render.whole_stream(template, record.output)
+    else:
+        def draw() -> bytes:
+            return orjson.dumps(render.body(template, record.output))
+    key = (answer.key, parsed.delivery, parsed.request.logprobs)
+    body = hot.templates.body(key, record, draw, hot.ids.next(parsed.request.endpoint),
+                              int(time.time()))
+    if parsed.delivery.stream:
+        headers["Cache-Control"] = "no-cache"
+    return web.Response(body=body, headers=headers,
+                        content_type=SSE if parsed.delivery.stream else JSON)
 
 
 def _cache_headers(answer: Answer, parsed: Parsed) -> dict[str, str]:
@@ -79,8 +103,6 @@ def _cache_headers(answer: Answer, parsed: Parsed) -> dict[str, str]:
 
 
 async def _whole(answer: Answer) -> Output:
-    if answer.record is not None:
-        return answer.record.output
     flight = answer.flight
     if flight is None:
         raise RuntimeError("an answer without a record or a flight")
@@ -93,47 +115,34 @@ async def _whole(answer: Answer) -> Output:
 
 async def _stream(request: web.Request, answer: Answer, frame: render.Frame,
                   headers: dict[str, str]) -> web.StreamResponse:
-    response = web.StreamResponse(headers={
-        **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    """A live generation (leader or follower): each chunk is sent as it is generated."""
+    flight = answer.flight
+    if flight is None:
+        raise RuntimeError("an answer without a record or a flight")
+    response = web.StreamResponse(headers={**headers, "Content-Type": SSE,
+                                           "Cache-Control": "no-cache"})
     await response.prepare(request)
-    for event in render.stream_start(frame):
-        await _send(response, event)
+    await response.write(render.sse(render.stream_start(frame)))
     offset = 0
     try:
-        if answer.record is not None:
-            output: Output | None = answer.record.output
-            for chunk in answer.record.output.chunks:
-                offset = await _send_chunk(response, frame, chunk, offset)
-        else:
-            flight = answer.flight
-            if flight is None:
-                raise RuntimeError("an answer without a record or a flight")
-            async for chunk in flight.follow():
-                offset = await _send_chunk(response, frame, chunk, offset)
-            output = flight.output
+        async for chunk in flight.follow():
+            offset = await _send_chunk(response, frame, chunk, offset)
     except ProxyError as exc:
-        await _send(response, exc.body())
-        await response.write(b"data: [DONE]\n\n")
+        await response.write(render.sse([exc.body()]) + render.DONE)
         return response
-    if output is None:
+    if flight.output is None:
         raise RuntimeError("stream ended without output")
-    for event in render.stream_end(frame, output):
-        await _send(response, event)
-    await response.write(b"data: [DONE]\n\n")
+    await response.write(render.sse(render.stream_end(frame, flight.output)) + render.DONE)
     await response.write_eof()
     return response
 
 
-async def _send_chunk(response: web.StreamResponse, frame: render.Frame, chunk: Any,
+async def _send_chunk(response: web.StreamResponse, frame: render.Frame, chunk: Chunk,
                       offset: int) -> int:
     event = render.stream_chunk(frame, chunk, offset)
     if event is not None:
-        await _send(response, event)
+        await response.write(render.sse([event]))
     return offset + len(chunk.text)
-
-
-async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:
-    await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
 
 
 async def models(request: web.Request) -> web.Response:
@@ -157,4 +166,3 @@ async def health(request: web.Request) -> web.Response:
         "counters": {**proxy.counters, **request.app[INVALIDATOR].counters},
         "time": time.time(),
     })
-

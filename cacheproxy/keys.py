@@ -12,10 +12,14 @@ KEY_SCHEMA = 1
 
 
 def make_key(request: CanonicalRequest, fingerprint: str, *, scope: str = "") -> str:
-    """`<fingerprint digest>/<request hash>`: prefixed by namespace so purges never scan others."""
-    payload = msgpack.packb(
-        [KEY_SCHEMA, fingerprint, request.endpoint, scope, request.wire()], use_bin_type=True
-    )
+    """`<fingerprint digest>/<request hash>`: prefixed by namespace so purges never scan others.
+
+    The hashed bytes are msgpack of [KEY_SCHEMA, fingerprint, endpoint, scope, wire]; the
+    request part is packed once per request (`request.packed`) and spliced in.
+    """
+    head = msgpack.packb([KEY_SCHEMA, fingerprint, request.endpoint, scope], use_bin_type=True)
+    # 0x94 is a 4-array header; 0x95 makes the same bytes a 5-array with `packed` appended.
+    payload = b"\x95" + head[1:] + request.packed
     return f"{fingerprint}/{xxhash.xxh3_128_hexdigest(payload)}"
 
 

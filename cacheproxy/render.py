@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from cacheproxy.canonical import Delivery, Endpoint
 from cacheproxy.codec import Chunk, Output, TokenLogprob
@@ -40,14 +40,23 @@ class Frame:
         }
 
 
-def new_frame(
-    endpoint: Endpoint, delivery: Delivery, model: str, fingerprint: str, *,
-    logprobs: bool, cached: bool,
-) -> Frame:
-    """A fresh response id and creation time."""
-    prefix = "chatcmpl-" if endpoint == "chat" else "cmpl-"
-    return Frame(prefix + uuid.uuid4().hex, int(time.time()), model, fingerprint, endpoint,
-                 delivery, logprobs, cached)
+def sse(events: list[dict[str, Any]]) -> bytes:
+    """Server-sent events, one `data:` line each."""
+    return b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events)
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def whole_stream(frame: Frame, output: Output) -> bytes:
+    """Every event of a stream at once (a hit replays the stored chunk boundaries)."""
+    events = stream_start(frame)
+    offset = 0
+    for chunk in output.chunks:
+        if (event := stream_chunk(frame, chunk, offset)) is not None:
+            events.append(event)
+        offset += len(chunk.text)
+    return sse([*events, *stream_end(frame, output)]) + DONE
 
 
 def usage(output: Output, cached: bool) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from cacheproxy import __version__, codec
 from cacheproxy.canonical import CanonicalRequest, Parsed
 from cacheproxy.errors import GenerationTimeout
 from cacheproxy.flights import Fill, Flight, Flights
+from cacheproxy.hot import LRU
 from cacheproxy.keys import make_key
 from cacheproxy.runners.base import Runner
 
@@ -74,6 +75,8 @@ class CachingProxy:
         self._options = options
         self._clock = clock
         self.counters: dict[str, int] = {"store_errors": 0, "corrupt_records": 0}
+        # Decoded records by key, reused while the store returns the same bytes.
+        self._decoded: LRU[str, tuple[bytes, codec.Record, bytes]] = LRU(4096)
 
     async def answer(self, parsed: Parsed) -> Answer:
         """Find or produce the answer to a parsed request (the order of operations above)."""
@@ -103,12 +106,18 @@ class CachingProxy:
             return None
         if data is None:
             return None
-        try:
-            record = codec.decode(data)
-        except codec.CorruptRecord as exc:
-            await self._discard(key, f"corrupt record: {exc}")
-            return None
-        if msgpack.packb(record.request) != msgpack.packb(request.wire()):
+        known = self._decoded.get(key)
+        if known is not None and (known[0] is data or known[0] == data):
+            record, packed = known[1], known[2]  # the same stored bytes: decoded before
+        else:
+            try:
+                record = codec.decode(data)
+            except codec.CorruptRecord as exc:
+                await self._discard(key, f"corrupt record: {exc}")
+                return None
+            packed = msgpack.packb(record.request, use_bin_type=True)
+            self._decoded.put(key, (data, record, packed))
+        if packed != request.packed:
             await self._discard(key, "record holds another request")
             return None
         return record

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from aiohttp import web
 
+from cacheproxy.hot import HitTemplates, ParseMemo, ResponseIds
 from cacheproxy.invalidation import Invalidator
 from cacheproxy.service import CachingProxy
 from cacheproxy.settings import Settings
+
+
+@dataclass(frozen=True, slots=True)
+class Hot:
+    """The hot path's memos, owned by one app."""
+
+    parser: ParseMemo = field(default_factory=ParseMemo)
+    templates: HitTemplates = field(default_factory=HitTemplates)
+    ids: ResponseIds = field(default_factory=ResponseIds)
+
 
 SETTINGS = web.AppKey("settings", Settings)
 PROXY = web.AppKey("proxy", CachingProxy)
 INVALIDATOR = web.AppKey("invalidator", Invalidator)
 STARTED = web.AppKey("started", float)
 CACHE_LOG = web.RequestKey("cache_log", dict)
+HOT = web.AppKey("hot", Hot)

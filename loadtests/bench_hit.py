@@ -299,7 +299,7 @@ def servers(args: argparse.Namespace, work: Path, payload: bytes
         cp_log = work / "cacheproxy.log"
         cp = procs.start("cacheproxy", [*args.cacheproxy, "serve", "--host", HOST,
                                         "--port", str(cp_port), "--store", args.store,
-                                        "--log-level", "warning"], cp_log, core)
+                                        "--log-level", args.log_level], cp_log, core)
         base = f"http://{HOST}:{cp_port}"
         wait_ready(cp, lambda: http("GET", base + "/health", timeout=2)[0] == 200, cp_log,
                    "cacheproxy")
@@ -450,6 +450,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     p.add_argument("--load", choices=["auto", "wrk", "python"], default="auto",
                    help="load generator (auto: wrk when installed)")
+    p.add_argument("--log-level", default="info",
+                   help="cacheproxy's log level (default info: one JSON line per request, "
+                        "as it serves by default)")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin to cores")
     p.add_argument("--cacheproxy", nargs="+", default=None, metavar="ARG",
                    help="command that runs the cacheproxy CLI (default: the venv's);"

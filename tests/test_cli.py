@@ -155,3 +155,42 @@ def test_bad_cli_values_exit_2_with_a_message(tmp_path: Path) -> None:
     out = subprocess.run([*CLI, "serve", "--model", str(tmp_path / "missing")],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "does not exist" in out.stderr
+
+
+def test_one_json_log_line_per_request_without_prompts(tmp_path: Path) -> None:
+    port = free_port()
+    log_file = tmp_path / "serve.log"
+    with log_file.open("wb") as sink:
+        proc = subprocess.Popen([*CLI, "serve", "--port", str(port), "--store", "memory://"],
+                                stdout=sink, stderr=sink)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            for _ in range(300):
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=1):
+                        break
+                except (urllib.error.URLError, ConnectionError):
+                    time.sleep(0.2)
+            secret = "What color is the secret fox?"
+            body = json.dumps({"messages": [{"role": "user", "content": secret}]}).encode()
+            for _ in range(2):
+                req = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                             headers={"X-Request-Id": "req-42"})
+                urllib.request.urlopen(req, timeout=30).read()
+            with pytest.raises(urllib.error.HTTPError):
+                urllib.request.urlopen(url + "/nope", timeout=5)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=20)
+    text = log_file.read_text()
+    assert secret not in text  # prompts never at INFO
+    lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    requests = [e for e in lines if e["event"] == "request"]
+    paths = [e["path"] for e in requests]
+    assert paths.count("/v1/chat/completions") == 2 and paths.count("/nope") == 1
+    chat = [e for e in requests if e["path"] == "/v1/chat/completions"]
+    assert [e["cache"] for e in chat] == ["MISS", "HIT"]
+    for e in chat:
+        assert e["request_id"] == "req-42" and e["status"] == 200
+        assert e["level"] == "info" and e["total_ms"] >= 0 and len(e["key"]) == 12
+    assert next(e for e in requests if e["path"] == "/nope")["status"] == 404

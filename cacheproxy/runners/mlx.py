@@ -243,8 +243,14 @@ class MlxRunner:
         return Output(tuple(chunks), finish, len(prompt), count)
 
     async def aclose(self) -> None:
-        """Stop accepting work and let the lane thread finish."""
+        """Stop accepting work and wait for the lane thread to finish.
+
+        The thread must be gone before the interpreter exits: MLX aborts the process
+        ("terminate called without an active exception") if a thread that used it is still
+        alive while its C++ state is torn down.
+        """
         self._lane.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(self._lane.shutdown, wait=True)
 
 
 def _sampling(request: CanonicalRequest) -> tuple[Any, list[Any]]:
