@@ -170,3 +170,42 @@ async def test_half_written_file_is_not_loaded_and_a_corrupt_one_keeps_the_old_m
     assert status == 200 and headers["X-Cache-Fingerprint"] == second and body["choices"]
     await asyncio.sleep(1.0)  # the same broken files are not retried in a loop
     assert invalidator.counters["reload_failures"] == 1
+
+
+async def test_requests_during_a_reload_wait_and_key_under_the_new_fingerprint(
+    make_proxy: ProxyFactory, own_runner: list[MlxRunner], quantized: dict[int, Path],
+    tmp_path: Path,
+) -> None:
+    served = tmp_path / "served"
+    shutil.copytree(quantized[4], served)
+    runner = await _start(own_runner, served)
+    proxy = await make_proxy(the_runner=runner, watch=False)
+    old = runner.fingerprint().digest
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy2(quantized[8] / name, served / name)
+    reload = asyncio.create_task(proxy.app[INVALIDATOR].reload())
+    await asyncio.sleep(0)  # the reload has closed the gate
+    status, headers, _ = await _complete(proxy)  # arrives during the reload: waits
+    await reload
+    assert status == 200
+    assert headers["X-Cache-Fingerprint"] == runner.fingerprint().digest != old
+
+
+async def test_a_reload_longer_than_reload_wait_answers_503(
+    make_proxy: ProxyFactory, own_runner: list[MlxRunner], tmp_path: Path,
+) -> None:
+    runner = await _start(own_runner, write_copy(tmp_path / "m"))
+    proxy = await make_proxy(the_runner=runner, watch=False, reload_wait=0.01)
+    # Hold the lane with a long generation so the reload queued behind it takes a while.
+    long = {"prompt": "The owl", "max_tokens": 400,
+            "logit_bias": {"0": -100, "2": -100}}
+    async with aiohttp.ClientSession() as session:
+        busy = asyncio.create_task(session.post(proxy.url + "/v1/completions", json=long))
+        await asyncio.sleep(0.05)
+        reload = asyncio.create_task(proxy.app[INVALIDATOR].reload())
+        await asyncio.sleep(0)
+        async with session.post(proxy.url + "/v1/completions", json=BODY) as resp:
+            assert resp.status == 503 and int(resp.headers["Retry-After"]) >= 1
+            assert (await resp.json())["error"]["code"] == "overloaded"
+        (await busy).release()
+        await reload
