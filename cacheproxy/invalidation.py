@@ -108,6 +108,12 @@ class Invalidator:
             log.info("fingerprint_changed", old=old, new=new.digest)
             await self._observe(new)
 
+    async def fingerprint_changed(self) -> None:
+        """A runner saw its producer change by itself (say an upstream's engine version):
+        register the new fingerprint and supersede the old namespaces."""
+        self.counters["fingerprint_changes"] += 1
+        await self._observe(self._runner.fingerprint())
+
     async def _observe(self, current: Fingerprint) -> None:
         try:
             superseded = await self.registry.observe(current)
