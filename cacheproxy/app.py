@@ -5,20 +5,27 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import structlog
 from aiohttp import web
 
 from backends import open_backend
 from backends.base import Backend
-from cacheproxy import handlers
-from cacheproxy.edge import edge, no_route
+from cacheproxy import admin, handlers
+from cacheproxy.admin import METRICS
+from cacheproxy.auth import check_admin, client_identity
+from cacheproxy.edge import Handler, Limits, edge, no_route
+from cacheproxy.hot import ParseMemo
 from cacheproxy.invalidation import Invalidator
+from cacheproxy.metrics import Metrics
 from cacheproxy.runners.base import Runner
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
 from cacheproxy.service import CachingProxy, ServiceOptions
 from cacheproxy.settings import Settings
-from cacheproxy.state import HOT, INVALIDATOR, PROXY, SETTINGS, STARTED, Hot
+from cacheproxy.state import HOT, IDENTITY, INVALIDATOR, PROXY, SETTINGS, STARTED, Hot
+from cacheproxy.stats import REQUEST_STATS, RequestStats
+from cacheproxy.status_page import status_page
 
 log = structlog.get_logger("cacheproxy.app")
 
@@ -30,20 +37,51 @@ def create_app(
     app = web.Application(client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
     app[STARTED] = time.time()
-    app[HOT] = Hot()
+    app[HOT] = Hot(parser=ParseMemo(max_tokens_cap=settings.max_tokens_cap))
+    app[METRICS] = metrics = Metrics()
+    app[REQUEST_STATS] = request_stats = RequestStats()
     app.cleanup_ctx.append(_lifecycle(settings, runner, store))
-    routes = [
-        ("POST", "/v1/chat/completions", handlers.chat_completions),
-        ("POST", "/v1/completions", handlers.completions),
-        ("GET", "/v1/models", handlers.models),
-        ("GET", "/health", handlers.health),
+    _add_routes(app, settings, metrics, request_stats)
+    return app
+
+
+def _add_routes(app: web.Application, settings: Settings, metrics: Metrics,
+                request_stats: RequestStats) -> None:
+    keys = tuple(k.encode() for k in settings.api_keys)
+
+    def api_guard(request: web.Request) -> None:
+        request[IDENTITY] = client_identity(request, keys)
+
+    def observe_api(endpoint: str, status: int, seconds: float, info: dict[str, Any]) -> None:
+        metrics.observe(endpoint, status, seconds, info)
+        if info:
+            request_stats.observe(info)
+
+    limits = Limits(settings.max_in_flight)
+    api = {"guard": api_guard, "limits": limits, "observe": observe_api}
+    routes: list[tuple[str, str, Handler, dict[str, Any]]] = [
+        ("POST", "/v1/chat/completions", handlers.chat_completions, api),
+        ("POST", "/v1/completions", handlers.completions, api),
+        ("GET", "/v1/models", handlers.models, api),
+        ("GET", "/health", handlers.health, {}),
+        ("GET", "/metrics", admin.metrics, {}),
+        ("GET", "/status.json", admin.public_stats, {}),
+        ("GET", "/", status_page, {}),
     ]
+    if settings.admin_token:  # no token configured: the admin API does not exist (404)
+        token = settings.admin_token.encode()
+        guard = {"guard": lambda request: check_admin(request, token)}
+        routes += [
+            ("GET", "/admin/stats", admin.stats, guard),
+            ("GET", "/admin/entries/{key:.+}", admin.entry, guard),
+            ("DELETE", "/admin/entries/{key:.+}", admin.delete_entry, guard),
+            ("POST", "/admin/purge", admin.purge, guard),
+        ]
     allowed: dict[str, set[str]] = {}
-    for method, path, handler in routes:
-        app.router.add_route(method, path, edge(handler))
+    for method, path, handler, options in routes:
+        app.router.add_route(method, path, edge(handler, endpoint=path, **options))
         allowed.setdefault(path, set()).add(method)
     app.router.add_route("*", "/{tail:.*}", edge(no_route(allowed)))
-    return app
 
 
 def _lifecycle(
@@ -67,7 +105,8 @@ def _lifecycle(
                 watch_interval=settings.watch_interval if settings.watch else None)
             app[INVALIDATOR] = invalidator
             proxy = CachingProxy(the_runner, the_store,
-                                 ServiceOptions(generation_timeout=settings.generation_timeout),
+                                 ServiceOptions(generation_timeout=settings.generation_timeout,
+                                                ttl=settings.ttl),
                                  gate=invalidator.wait_ready)
             app[PROXY] = proxy
             log.info("serving", model=settings.served_model_id,

@@ -200,7 +200,8 @@ def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
 
 
 def parse(
-    body: object, endpoint: Endpoint, defaults: RunnerDefaults, mode: SamplingMode
+    body: object, endpoint: Endpoint, defaults: RunnerDefaults, mode: SamplingMode,
+    *, max_tokens_cap: int | None = None,
 ) -> Parsed:
     """Validate a decoded JSON body and build its canonical request."""
     if not isinstance(body, dict):
@@ -209,7 +210,7 @@ def parse(
     model = fields.string(body, "model", defaults.model_id)
     if model != defaults.model_id and model not in defaults.aliases:
         raise ModelNotFound(f"The model '{model}' does not exist", param="model")
-    cap = min(defaults.max_tokens_cap, defaults.context_length)
+    cap = min(defaults.max_tokens_cap, defaults.context_length, max_tokens_cap or 2**31)
     alias = "max_completion_tokens" if body.get("max_completion_tokens") is not None else None
     max_tokens = fields.integer(body, alias or "max_tokens", defaults.max_tokens, lo=1, hi=cap)
     stream = fields.boolean(body, "stream", False)

@@ -39,6 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--reload-wait", dest="reload_wait", type=float)
     serve.add_argument("--invalidation", choices=["purge", "retain"])
     serve.add_argument("--digest-memo", dest="digest_memo")
+    serve.add_argument("--ttl", type=float, help="seconds an entry lives (default: no expiry)")
+    serve.add_argument("--api-key", dest="api_keys", action="append",
+                       help="accepted client API key (repeatable; env CACHEPROXY_API_KEYS)")
+    serve.add_argument("--cache-scope", dest="cache_scope", choices=["shared", "per-key"])
+    serve.add_argument("--max-in-flight", dest="max_in_flight", type=int,
+                       help="requests served at once before 503")
     serve.add_argument("--log-format", dest="log_format", choices=["auto", "json", "console"])
     serve.add_argument("--log-level", dest="log_level")
 
@@ -162,6 +168,10 @@ async def _serve(settings: Settings, batched: BatchedLines | None) -> None:
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:
+        print(f"cacheproxy: WARNING: listening on {settings.host} without API keys: anyone who "
+              "can reach this address can generate and read cached answers "
+              "(set --api-key or CACHEPROXY_API_KEYS)", file=sys.stderr, flush=True)
     print(f"cacheproxy serving {settings.served_model_id} on http://{settings.host}:"
           f"{settings.port}/v1 (store {settings.store})", file=sys.stderr, flush=True)
     stop = asyncio.Event()

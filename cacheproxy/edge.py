@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from functools import wraps
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -19,6 +20,7 @@ from aiohttp import web
 from cacheproxy.errors import (
     GenerationFailed,
     MethodNotAllowed,
+    Overloaded,
     PayloadTooLarge,
     ProxyError,
     RouteNotFound,
@@ -27,6 +29,8 @@ from cacheproxy.state import CACHE_LOG, SETTINGS
 
 log = structlog.get_logger("cacheproxy.access")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Guard = Callable[[web.Request], object]
+Observe = Callable[[str, int, float, dict[str, Any]], None]
 
 _ID_PREFIX = os.urandom(6).hex()
 _ids = itertools.count()
@@ -45,14 +49,32 @@ def _as_proxy_error(exc: web.HTTPException, request: web.Request) -> ProxyError:
     return GenerationFailed(f"{exc.status} {exc.reason}")
 
 
-def edge(handler: Handler) -> Handler:
-    """Wrap a route handler with the request id, error mapping and the access log line."""
+class Limits:
+    """Requests in flight on the API routes, against the configured bound."""
+
+    def __init__(self, max_in_flight: int) -> None:
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0
+
+
+def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
+         limits: Limits | None = None, observe: Observe | None = None) -> Handler:
+    """Wrap a route handler: request id, guard (auth), in-flight bound, error mapping,
+    then one access log line and the metrics of the finished request."""
 
     @wraps(handler)
     async def wrapped(request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
         request_id = request.headers.get("X-Request-Id") or f"{_ID_PREFIX}{next(_ids):010x}"
+        counted = False
         try:
+            if guard is not None:
+                guard(request)
+            if limits is not None:
+                if limits.in_flight >= limits.max_in_flight:
+                    raise Overloaded(f"more than {limits.max_in_flight} requests in flight")
+                limits.in_flight += 1
+                counted = True
             response = await handler(request)
         except ProxyError as exc:
             response = _error_response(exc)
@@ -63,12 +85,17 @@ def edge(handler: Handler) -> Handler:
         except Exception:
             log.exception("unhandled_error", request_id=request_id, path=request.path)
             response = _error_response(GenerationFailed("internal error"))
+        finally:
+            if counted and limits is not None:
+                limits.in_flight -= 1
         if not response.prepared:
             response.headers["X-Request-Id"] = request_id
+        seconds = time.monotonic() - started
+        info = request.get(CACHE_LOG, {})
         log.info("request", request_id=request_id, method=request.method, path=request.path,
-                 status=response.status,
-                 total_ms=round((time.monotonic() - started) * 1000, 2),
-                 **request.get(CACHE_LOG, {}))
+                 status=response.status, total_ms=round(seconds * 1000, 2), **info)
+        if observe is not None:
+            observe(endpoint or request.path, response.status, seconds, info)
         return response
 
     return wrapped

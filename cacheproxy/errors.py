@@ -52,6 +52,14 @@ class Unsupported(InvalidRequest):
     code = "unsupported_parameter"
 
 
+class Unauthorized(ProxyError):
+    """Missing or wrong API key / admin token."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
 class ModelNotFound(ProxyError):
     """The request names a model this proxy does not serve."""
 
@@ -107,9 +115,31 @@ class GenerationTimeout(ProxyError):
     code = "generation_timeout"
 
 
+class NotCached(ProxyError):
+    """only-if-cached asked for a stored answer and there is none (RFC 9111: 504)."""
+
+    status = 504
+    type = "invalid_request_error"
+    code = "not_cached"
+
+
 class GenerationFailed(ProxyError):
     """The runner failed while generating."""
 
     status = 500
     type = "server_error"
     code = "generation_failed"
+
+
+class UpstreamUnavailable(ProxyError):
+    """The upstream server (mlx_lm.server) cannot be reached or broke off its answer."""
+
+    status = 502
+    type = "server_error"
+    code = "upstream_unavailable"
+
+
+class UpstreamTimeout(GenerationTimeout):
+    """The upstream server went silent for longer than the upstream timeout."""
+
+    code = "upstream_timeout"

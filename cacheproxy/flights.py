@@ -24,6 +24,8 @@ class Flight:
         self.error: ProxyError | None = None
         self.from_store = False
         self.followers = 0
+        self.generation_ms: float | None = None
+        self.revalidated: str | None = None  # "match" | "mismatch" after a no-cache refill
         self._changed = asyncio.Event()
 
     @property
@@ -83,6 +85,10 @@ class Flights:
 
     def __len__(self) -> int:
         return len(self._by_key)
+
+    def running(self, key: str) -> bool:
+        """Whether a shared fill for `key` is in progress."""
+        return key in self._by_key
 
     def join(self, key: str, fill: Fill, *, shared: bool = True) -> tuple[Flight, bool]:
         """The flight for `key` and whether the caller leads it (started the fill)."""

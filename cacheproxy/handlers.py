@@ -14,7 +14,8 @@ from cacheproxy.codec import Chunk, Output
 from cacheproxy.errors import ProxyError
 from cacheproxy.hot import CREATED_MARK, ID_MARK
 from cacheproxy.service import Answer
-from cacheproxy.state import CACHE_LOG, HOT, INVALIDATOR, PROXY, SETTINGS, STARTED
+from cacheproxy.state import CACHE_LOG, HOT, IDENTITY, INVALIDATOR, PROXY, SETTINGS, STARTED
+from policies.cache_control import parse_cache_control, response_cache_control
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -39,23 +40,42 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     app = request.app
-    proxy, hot = app[PROXY], app[HOT]
+    proxy, hot, settings = app[PROXY], app[HOT], app[SETTINGS]
     parsed = hot.parser.parse(await request.read(), endpoint, proxy.runner.defaults(),
-                              app[SETTINGS].sampling)
-    answer = await proxy.answer(parsed)
+                              settings.sampling)
+    directives = parse_cache_control(request.headers.get("Cache-Control"))
+    scope = request.get(IDENTITY, "") if settings.cache_scope == "per-key" else ""
+    answer = await proxy.answer(parsed, directives=directives, scope=scope)
     if answer.flight is not None:
         await answer.flight.started()  # errors before the first token are real HTTP errors
         if answer.flight.from_store:
             answer = Answer("HIT", answer.reason, answer.key, answer.fingerprint,
                             flight=answer.flight)
-    request[CACHE_LOG] = {"cache": answer.status, "reason": answer.reason, "key": answer.key[33:45]}
-    headers = _cache_headers(answer, parsed)
+    info = request[CACHE_LOG] = {"cache": answer.status, "reason": answer.reason,
+                                 "key": answer.key[33:45]}
+    headers = _cache_headers(answer, parsed, settings.ttl)
     if answer.record is not None:
+        info["tokens"] = answer.record.output.completion_tokens
+        info["runner_ms"] = answer.record.provenance.get("generation_ms", 0.0)
         return _hit(request, answer, parsed, headers)
     frame = _frame(parsed, answer, hot.ids.next(endpoint), int(time.time()))
     if parsed.delivery.stream:
-        return await _stream(request, answer, frame, headers)
-    return json_response(render.body(frame, await _whole(answer)), headers=headers)
+        response = await _stream(request, answer, frame, headers)
+    else:
+        output = await _whole(answer)
+        if answer.flight is not None and answer.flight.revalidated:
+            headers["X-Cache-Revalidated"] = answer.flight.revalidated
+        response = json_response(render.body(frame, output), headers=headers)
+    _generation_info(info, answer)
+    return response
+
+
+def _generation_info(info: dict[str, Any], answer: Answer) -> None:
+    flight = answer.flight
+    if flight is not None and flight.output is not None:
+        info["tokens"] = flight.output.completion_tokens
+        if answer.status != "COALESCED" and flight.generation_ms is not None:
+            info["runner_ms"] = round(flight.generation_ms, 2)
 
 
 def _frame(parsed: Parsed, answer: Answer, response_id: str, created: int) -> render.Frame:
@@ -80,13 +100,11 @@ def _hit(request: web.Request, answer: Answer, parsed: Parsed, headers: dict[str
     key = (answer.key, parsed.delivery, parsed.request.logprobs)
     body = hot.templates.body(key, record, draw, hot.ids.next(parsed.request.endpoint),
                               int(time.time()))
-    if parsed.delivery.stream:
-        headers["Cache-Control"] = "no-cache"
     return web.Response(body=body, headers=headers,
                         content_type=SSE if parsed.delivery.stream else JSON)
 
 
-def _cache_headers(answer: Answer, parsed: Parsed) -> dict[str, str]:
+def _cache_headers(answer: Answer, parsed: Parsed, ttl: float | None) -> dict[str, str]:
     status = answer.status
     if answer.reason != "greedy":
         status += f"; reason={answer.reason}"
@@ -97,6 +115,8 @@ def _cache_headers(answer: Answer, parsed: Parsed) -> dict[str, str]:
     }
     if answer.status == "HIT":
         headers["Age"] = str(int(answer.age))
+    headers["Cache-Control"] = response_cache_control(stored=answer.stores, ttl=ttl,
+                                                      age=answer.age)
     if parsed.sampling.rewritten:
         headers["X-Cache-Sampling"] = "rewritten-to-greedy"
     return headers
@@ -119,8 +139,7 @@ async def _stream(request: web.Request, answer: Answer, frame: render.Frame,
     flight = answer.flight
     if flight is None:
         raise RuntimeError("an answer without a record or a flight")
-    response = web.StreamResponse(headers={**headers, "Content-Type": SSE,
-                                           "Cache-Control": "no-cache"})
+    response = web.StreamResponse(headers={**headers, "Content-Type": SSE})
     await response.prepare(request)
     await response.write(render.sse(render.stream_start(frame)))
     offset = 0
@@ -132,7 +151,10 @@ async def _stream(request: web.Request, answer: Answer, frame: render.Frame,
         return response
     if flight.output is None:
         raise RuntimeError("stream ended without output")
-    await response.write(render.sse(render.stream_end(frame, flight.output)) + render.DONE)
+    tail = render.sse(render.stream_end(frame, flight.output))
+    if flight.revalidated:  # headers are long gone: say it as an SSE comment
+        tail += f": x-cache-revalidated={flight.revalidated}\n\n".encode()
+    await response.write(tail + render.DONE)
     await response.write_eof()
     return response
 

@@ -63,9 +63,10 @@ def decode_body(raw: bytes) -> object:
 class ParseMemo:
     """Repeated identical bodies skip JSON decoding and canonicalization."""
 
-    def __init__(self, max_entries: int = 4096) -> None:
+    def __init__(self, max_entries: int = 4096, *, max_tokens_cap: int | None = None) -> None:
         self._memo: LRU[tuple[Endpoint, bytes], tuple[RunnerDefaults, SamplingMode, Parsed]] = \
             LRU(max_entries)
+        self._cap = max_tokens_cap
 
     def parse(
         self, raw: bytes, endpoint: Endpoint, defaults: RunnerDefaults, mode: SamplingMode
@@ -76,7 +77,7 @@ class ParseMemo:
         # Valid only under the same defaults object (a reload makes new ones) and mode.
         if known is not None and known[0] is defaults and known[1] == mode:
             return known[2]
-        parsed = parse(decode_body(raw), endpoint, defaults, mode)
+        parsed = parse(decode_body(raw), endpoint, defaults, mode, max_tokens_cap=self._cap)
         if len(raw) <= MAX_MEMO_BODY:
             self._memo.put(memo_key, (defaults, mode, parsed))
         return parsed

@@ -8,6 +8,9 @@
 4. flights.join(key): one fill per key; followers                 -> COALESCED
    fill: re-check the store -> runner (one lane) -> store the record, only if the
    generation finished normally and the fingerprint did not change meanwhile -> MISS
+Cache-Control request directives bend steps 3-4: a stored answer too old for max-age, or
+any under no-cache, is generated again and replaced; only-if-cached never generates (504);
+no-store generates without storing.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import structlog
 from backends.base import Backend, BackendError
 from cacheproxy import __version__, codec
 from cacheproxy.canonical import CanonicalRequest, Parsed
-from cacheproxy.errors import GenerationTimeout
+from cacheproxy.errors import GenerationTimeout, NotCached
 from cacheproxy.flights import Fill, Flight, Flights
 from cacheproxy.hot import LRU
 from cacheproxy.keys import make_key
 from cacheproxy.runners.base import Runner
+from policies.cache_control import NONE as NO_DIRECTIVES
+from policies.cache_control import RequestDirectives, stored_answer_usable
 
 log = structlog.get_logger("cacheproxy.service")
 
@@ -43,6 +48,7 @@ class Answer:
     record: codec.Record | None = None
     flight: Flight | None = None
     age: float = 0.0
+    stores: bool = True  # whether this answer is (or will be) in the store
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +56,7 @@ class ServiceOptions:
     """Knobs of the orchestration."""
 
     generation_timeout: float = 300.0
+    ttl: float | None = None  # entries of a pinned producer do not go stale by default
 
 
 async def _always_open() -> None:
@@ -78,24 +85,43 @@ class CachingProxy:
         # Decoded records by key, reused while the store returns the same bytes.
         self._decoded: LRU[str, tuple[bytes, codec.Record, bytes]] = LRU(4096)
 
-    async def answer(self, parsed: Parsed) -> Answer:
+    async def answer(
+        self, parsed: Parsed, *, directives: RequestDirectives = NO_DIRECTIVES, scope: str = ""
+    ) -> Answer:
         """Find or produce the answer to a parsed request (the order of operations above)."""
         request = parsed.request
         await self._gate()  # held while the model reloads, so the key uses the new fingerprint
         fingerprint = self.runner.fingerprint().digest
-        key = make_key(request, fingerprint)
+        key = make_key(request, fingerprint, scope=scope)
         decision = parsed.sampling.decision
         if not decision.cacheable:
-            flight, _ = self.flights.join(key, self._fill(request, fingerprint, store=False),
-                                          shared=False)
-            return Answer("BYPASS", decision.reason, key, fingerprint, flight=flight)
+            fill = self._fill(request, fingerprint, store=False, recheck=False)
+            flight, _ = self.flights.join(key, fill, shared=False)
+            return Answer("BYPASS", decision.reason, key, fingerprint, flight=flight,
+                          stores=False)
         record = await self._lookup(key, request)
         if record is not None:
             age = max(0.0, self._clock() - float(record.provenance.get("created_at", 0.0)))
-            return Answer("HIT", decision.reason, key, fingerprint, record=record, age=age)
-        flight, leader = self.flights.join(key, self._fill(request, fingerprint, store=True))
-        status = "MISS" if leader else "COALESCED"
-        return Answer(status, decision.reason, key, fingerprint, flight=flight)
+            fresh = stored_answer_usable(directives, age)
+            if fresh.usable:
+                return Answer("HIT", decision.reason, key, fingerprint, record=record, age=age)
+            # Not usable for this request (no-cache, max-age): generate again and replace.
+            fill = self._fill(request, fingerprint, store=not directives.no_store,
+                              recheck=False, previous=record)
+            flight, _ = self.flights.join(key, fill, shared=False)
+            return Answer("MISS", fresh.reason, key, fingerprint, flight=flight,
+                          stores=not directives.no_store)
+        if directives.only_if_cached:
+            raise NotCached("no stored answer for this request, and only-if-cached was asked")
+        if directives.no_store and not self.flights.running(key):
+            # Lead no shared fill: followers of a fill that does not store would miss again.
+            fill = self._fill(request, fingerprint, store=False, recheck=False)
+            flight, _ = self.flights.join(key, fill, shared=False)
+            return Answer("MISS", "no-store", key, fingerprint, flight=flight, stores=False)
+        fill = self._fill(request, fingerprint, store=True, recheck=True)
+        flight, leader = self.flights.join(key, fill)
+        return Answer("MISS" if leader else "COALESCED", decision.reason, key, fingerprint,
+                      flight=flight)
 
     async def _lookup(self, key: str, request: CanonicalRequest) -> codec.Record | None:
         try:
@@ -131,10 +157,11 @@ class CachingProxy:
             log.warning("store_delete_failed", key=key[:16], error=str(exc))
 
     def _fill(
-        self, request: CanonicalRequest, fingerprint: str, *, store: bool
+        self, request: CanonicalRequest, fingerprint: str, *, store: bool, recheck: bool,
+        previous: codec.Record | None = None,
     ) -> Fill:
         async def fill(flight: Flight) -> None:
-            if store and (record := await self._lookup(flight.key, request)) is not None:
+            if recheck and (record := await self._lookup(flight.key, request)) is not None:
                 # Filled by a flight that finished between our lookup and our join.
                 for chunk in record.output.chunks:
                     flight.publish(chunk)
@@ -157,10 +184,15 @@ class CachingProxy:
             output = generation.output
             if output is None:
                 raise RuntimeError("runner ended without an output")
+            flight.generation_ms = (time.monotonic() - started) * 1000
+            if previous is not None:
+                same = previous.output.token_ids == output.token_ids and \
+                    previous.output.text == output.text
+                flight.revalidated = "match" if same else "mismatch"
             unchanged = self.runner.fingerprint().digest == fingerprint
             if store and unchanged and output.finish_reason in ("stop", "length"):
-                ms = (time.monotonic() - started) * 1000
-                await self._store(flight.key, self._record(request, output, ms))
+                record = self._record(request, output, flight.generation_ms)
+                await self._store(flight.key, record)
             flight.finish(output)
 
         return fill
@@ -179,7 +211,7 @@ class CachingProxy:
 
     async def _store(self, key: str, record: codec.Record) -> None:
         try:
-            await self.store.set(key, codec.encode(record))
+            await self.store.set(key, codec.encode(record), ttl=self._options.ttl)
         except BackendError as exc:
             self.counters["store_errors"] += 1
             log.warning("store_set_failed", key=key[:16], error=str(exc))

@@ -45,6 +45,11 @@ class Settings:
     reload_wait: float = 30.0
     invalidation: InvalidationPolicy = InvalidationPolicy.PURGE
     digest_memo: str = dataclasses.field(default_factory=default_digest_memo)
+    ttl: float | None = None
+    api_keys: tuple[str, ...] = ()
+    cache_scope: str = "shared"
+    admin_token: str = ""
+    max_in_flight: int = 1024
     log_format: str = "auto"
     log_level: str = "info"
 
@@ -59,7 +64,13 @@ class Settings:
 def _convert(field: dataclasses.Field[Any], raw: object) -> object:
     kind = field.type if isinstance(field.type, str) else field.type.__name__
     if not isinstance(raw, str):
-        return raw
+        return tuple(raw) if isinstance(raw, list) else raw
+    if kind.endswith(" | None"):
+        if raw.strip().lower() in ("", "none"):
+            return None
+        kind = kind.removesuffix(" | None")
+    if kind == "tuple[str, ...]":  # a comma-separated list in the environment
+        return tuple(item.strip() for item in raw.split(",") if item.strip())
     try:
         if kind == "int":
             return int(raw)
@@ -101,6 +112,9 @@ def validate(settings: Settings) -> None:
         "max_body_bytes": settings.max_body_bytes >= 1024,
         "default_max_tokens": 1 <= settings.default_max_tokens <= settings.max_tokens_cap,
         "log_format": settings.log_format in ("auto", "json", "console"),
+        "ttl": settings.ttl is None or settings.ttl > 0,
+        "cache_scope": settings.cache_scope in ("shared", "per-key"),
+        "max_in_flight": settings.max_in_flight >= 1,
     }
     for name, ok in checks.items():
         if not ok:

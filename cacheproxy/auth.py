@@ -1,0 +1,41 @@
+"""Client API keys and the admin token: constant-time checks, OpenAI-shaped 401s."""
+
+from __future__ import annotations
+
+import hmac
+
+import xxhash
+from aiohttp import web
+
+from cacheproxy.errors import Unauthorized
+
+
+def bearer(request: web.Request) -> bytes:
+    """The bearer token of the Authorization header (empty when there is none)."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token.strip().encode() if scheme.lower() == "bearer" else b""
+
+
+def matches(token: bytes, secrets: tuple[bytes, ...]) -> bool:
+    """Constant-time membership: every secret is compared, whatever matches first."""
+    found = False
+    for secret in secrets:
+        found |= hmac.compare_digest(token, secret)
+    return found
+
+
+def client_identity(request: web.Request, keys: tuple[bytes, ...]) -> str:
+    """A stable, non-reversible identity for the caller's key ("" when keys are off)."""
+    if not keys:
+        return ""
+    token = bearer(request)
+    if not token or not matches(token, keys):
+        raise Unauthorized("Incorrect API key provided. Pass a valid key as "
+                           "'Authorization: Bearer <key>'.")
+    return xxhash.xxh3_64_hexdigest(token)
+
+
+def check_admin(request: web.Request, token: bytes) -> None:
+    """401 unless the request carries the admin token."""
+    if not matches(bearer(request), (token,)):
+        raise Unauthorized("admin API: wrong or missing bearer token")
