@@ -1,4 +1,9 @@
-"""Byte-level stores, opened from a URL: memory://?max_bytes=N or disk:///abs/dir?max_bytes=N."""
+"""Byte-level stores, opened from a URL.
+
+memory://?max_bytes=N, disk:///abs/dir?max_bytes=N, redis://host:port/db, rediss://…,
+unix:///path/redis.sock?db=N, redis+cluster://host:port (see backends.redis), and
+tiered+<any of those>?l1_max_bytes=N&l1_ttl=S (see backends.tiered).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,10 @@ from backends.base import (
 )
 from backends.disk import DEFAULT_DISK_MAX_BYTES, DiskBackend
 from backends.memory import DEFAULT_MEMORY_MAX_BYTES, MemoryBackend
+from backends.redis import SCHEMES as _REDIS_SCHEMES
+from backends.redis import RedisBackend, open_redis
+from backends.tiered import PREFIX as _TIERED_PREFIX
+from backends.tiered import TieredBackend, open_tiered
 
 __all__ = [
     "Backend",
@@ -26,13 +35,13 @@ __all__ = [
     "DiskBackend",
     "MemoryBackend",
     "NamespacePurge",
+    "RedisBackend",
     "StoreStats",
     "StoreStatsResult",
+    "TieredBackend",
     "default_disk_url",
     "open_backend",
 ]
-
-_REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "redis+cluster"})
 
 
 def open_backend(url: str, *, clock: Clock = time.time) -> Backend:
@@ -48,10 +57,13 @@ def open_backend(url: str, *, clock: Clock = time.time) -> Backend:
         max_bytes = _max_bytes(url, parts, DEFAULT_DISK_MAX_BYTES)
         return DiskBackend(directory, max_bytes=max_bytes, clock=clock)
     if parts.scheme in _REDIS_SCHEMES:
-        raise ValueError(f"backend URL {url!r}: scheme {parts.scheme!r} is not yet supported")
+        return open_redis(url)  # the server keeps time: clock is not needed
+    if url.startswith(_TIERED_PREFIX):
+        return open_tiered(url, clock=clock, open_l2=lambda inner: open_backend(inner, clock=clock))
     raise ValueError(
-        f"backend URL {url!r}: unknown scheme {parts.scheme!r};"
-        " expected memory://?max_bytes=N or disk:///absolute/dir?max_bytes=N"
+        f"backend URL {url!r}: unknown scheme {parts.scheme!r}; expected memory://?max_bytes=N,"
+        " disk:///absolute/dir?max_bytes=N, redis://host:port/db, rediss://…,"
+        " unix:///path/redis.sock, redis+cluster://host:port or tiered+<one of those>"
     )
 
 

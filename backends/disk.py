@@ -24,6 +24,7 @@ from backends.base import (
 
 DEFAULT_DISK_MAX_BYTES = 1024 * 1024 * 1024
 DB_FILENAME = "cache.sqlite3"
+TOUCH_EVERY = 1.0  # seconds: a read refreshes an entry's recency at most this often
 _BUSY_TIMEOUT_S = 5.0
 _EVICT_BATCH = 64
 
@@ -184,12 +185,12 @@ class DiskBackend:
 
     def _get(self, conn: sqlite3.Connection, key: str, now: float) -> bytes | None:
         row = conn.execute(
-            "SELECT value, size, expires_at FROM entries WHERE key = ?", (key,)
+            "SELECT value, size, expires_at, accessed_at FROM entries WHERE key = ?", (key,)
         ).fetchone()
         if row is None:
             return None
         value: bytes
-        value, size, expires_at = row
+        value, size, expires_at, accessed_at = row
         if is_expired(expires_at, now):
             deleted = conn.execute(
                 "DELETE FROM entries WHERE key = ? AND expires_at <= ?", (key, now)
@@ -197,7 +198,9 @@ class DiskBackend:
             if deleted:
                 self._bytes -= size
             return None
-        conn.execute("UPDATE entries SET accessed_at = ? WHERE key = ?", (now, key))
+        if now - accessed_at >= TOUCH_EVERY:
+            # Recency to the second is enough for LRU, and saves a write on most hits.
+            conn.execute("UPDATE entries SET accessed_at = ? WHERE key = ?", (now, key))
         return value
 
     def _set(

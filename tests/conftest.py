@@ -22,6 +22,7 @@ from cacheproxy.runners.mlx import MlxOptions, MlxRunner
 from cacheproxy.settings import DEMO_MODEL_ID, Settings
 from cacheproxy.state import PROXY
 
+pytest_plugins = ["tests.conftest_redis"]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

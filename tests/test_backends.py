@@ -1,11 +1,22 @@
-"""One contract suite for every backend, then disk-specific and URL tests."""
+"""One contract suite for every backend, then disk-specific and URL tests.
+
+The contract runs against memory, disk, Redis, Redis Cluster and tiered (over disk and over
+Redis). A test marked @needs(...) runs only on the kinds with those capabilities:
+  clock        time is the injected FakeClock (exact expiry boundaries, lazy expiry counts)
+  exact_bytes  stats().bytes is the sum of keys + values (Redis reports used_memory)
+  max_bytes    the URL's max_bytes bounds the store and stats() reports it
+  lru          eviction is exact LRU on max_bytes (Redis evicts approximately, by maxmemory)
+"""
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import pytest_asyncio
@@ -16,8 +27,10 @@ from backends import (
     DiskBackend,
     MemoryBackend,
     NamespacePurge,
+    RedisBackend,
     StoreStats,
     StoreStatsResult,
+    TieredBackend,
     default_disk_url,
     open_backend,
 )
@@ -25,6 +38,7 @@ from backends.base import PURGE_BATCH, NamespaceStats, Scan
 from backends.disk import DB_FILENAME
 
 OpenStore = Callable[..., Backend]
+_F = TypeVar("_F", bound=Callable[..., object])
 
 
 class FakeClock:
@@ -45,17 +59,74 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-@pytest_asyncio.fixture(params=["memory", "disk"])
+@dataclass(frozen=True)
+class Kind:
+    """One kind of store the contract runs against, and what it can promise."""
+
+    name: str
+    capabilities: frozenset[str]
+
+    @property
+    def tick(self) -> float:
+        """A time step: one fake-clock second, or 0.1 s of real time for server-side expiry."""
+        return 1.0 if "clock" in self.capabilities else 0.1
+
+
+_LOCAL = frozenset({"clock", "exact_bytes", "max_bytes", "lru"})
+KINDS = [
+    Kind("memory", _LOCAL),
+    Kind("disk", _LOCAL),
+    Kind("tiered-disk", _LOCAL - {"lru"}),  # L1 may still serve what L2 evicted
+    Kind("redis", frozenset()),
+    Kind("redis-cluster", frozenset()),
+    Kind("tiered-redis", frozenset()),
+]
+
+
+def needs(*capabilities: str) -> Callable[[_F], _F]:
+    """Run this contract test only on the kinds that have every one of capabilities."""
+
+    def mark(test: _F) -> _F:
+        test.needs = frozenset(capabilities)  # type: ignore[attr-defined]
+        return test
+
+    return mark
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "kind" in metafunc.fixturenames:
+        needed = getattr(metafunc.function, "needs", frozenset())
+        kinds = [kind for kind in KINDS if needed <= kind.capabilities]
+        metafunc.parametrize("kind", kinds, ids=[kind.name for kind in kinds])
+
+
+def _store_url(kind: Kind, request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    disk = f"disk://{tmp_path / 'store'}"
+    urls = {
+        "memory": lambda: "memory://",
+        "disk": lambda: disk,
+        "tiered-disk": lambda: f"tiered+{disk}?l1_max_bytes=1048576",
+        "redis": lambda: request.getfixturevalue("redis_url"),
+        "redis-cluster": lambda: request.getfixturevalue("redis_cluster_url"),
+        "tiered-redis": lambda: "tiered+" + request.getfixturevalue("redis_url"),
+    }
+    return urls[kind.name]()
+
+
+@pytest_asyncio.fixture
 async def open_store(
-    request: pytest.FixtureRequest, tmp_path: Path, clock: FakeClock
+    kind: Kind, request: pytest.FixtureRequest, tmp_path: Path, clock: FakeClock
 ) -> AsyncIterator[OpenStore]:
     """A factory for stores of the parametrized kind, all closed at teardown."""
     opened: list[Backend] = []
+    url = _store_url(kind, request, tmp_path)
 
     def make(max_bytes: int | None = None) -> Backend:
-        base = "memory://" if request.param == "memory" else f"disk://{tmp_path / 'store'}"
-        query = "" if max_bytes is None else f"?max_bytes={max_bytes}"
-        backend = open_backend(base + query, clock=clock)
+        query = "" if max_bytes is None else f"max_bytes={max_bytes}"
+        if query and "max_bytes" not in kind.capabilities:
+            raise AssertionError(f"{kind.name} takes no max_bytes: mark the test @needs")
+        joined = url + ("&" if "?" in url else "?") + query if query else url
+        backend = open_backend(joined, clock=clock if "clock" in kind.capabilities else time.time)
         opened.append(backend)
         return backend
 
@@ -69,10 +140,27 @@ def store(open_store: OpenStore) -> Backend:
     return open_store()
 
 
+async def elapse(kind: Kind, clock: FakeClock, ticks: float) -> None:
+    """Let ticks of the kind's time pass: move the fake clock, or really wait."""
+    if "clock" in kind.capabilities:
+        clock.advance(ticks * kind.tick)
+    else:
+        await asyncio.sleep(ticks * kind.tick)
+
+
 async def stats_of(backend: Backend) -> tuple[int, int]:
     assert isinstance(backend, StoreStats)
     result = await backend.stats()
     return result.entries, result.bytes
+
+
+async def assert_holds(kind: Kind, backend: Backend, entries: int, nbytes: int) -> None:
+    """The store counts entries, and exactly nbytes where byte accounting is exact."""
+    held, held_bytes = await stats_of(backend)
+    if "exact_bytes" in kind.capabilities:
+        assert (held, held_bytes) == (entries, nbytes)
+    else:
+        assert held == entries
 
 
 @pytest.mark.asyncio
@@ -81,16 +169,18 @@ class TestBackendContract:
         assert isinstance(store, Backend)
         assert isinstance(store, NamespacePurge)
         assert isinstance(store, StoreStats)
+        assert isinstance(store, Scan)
+        assert isinstance(store, NamespaceStats)
 
     async def test_missing_key_is_none(self, store: Backend) -> None:
         assert await store.get("nope") is None
 
-    async def test_roundtrip_and_overwrite(self, store: Backend) -> None:
+    async def test_roundtrip_and_overwrite(self, kind: Kind, store: Backend) -> None:
         await store.set("k", b"one")
         assert await store.get("k") == b"one"
         await store.set("k", b"two!")
         assert await store.get("k") == b"two!"
-        assert await stats_of(store) == (1, len("k") + len(b"two!"))
+        await assert_holds(kind, store, 1, len("k") + len(b"two!"))
 
     async def test_delete_reports_presence(self, store: Backend) -> None:
         await store.set("k", b"v")
@@ -110,11 +200,23 @@ class TestBackendContract:
         await store.set("big", big)
         assert await store.get("big") == big
 
-    async def test_unicode_key_counts_utf8_bytes(self, store: Backend) -> None:
+    async def test_unicode_key_counts_utf8_bytes(self, kind: Kind, store: Backend) -> None:
         await store.set("ns/ключ", b"v")
         assert await store.get("ns/ключ") == b"v"
-        assert await stats_of(store) == (1, len("ns/ключ".encode()) + 1)
+        await assert_holds(kind, store, 1, len("ns/ключ".encode()) + 1)
+        assert isinstance(store, NamespaceStats)
+        assert await store.namespace_stats("ns") == (1, len("ns/ключ".encode()) + 1)
 
+    async def test_ttl_expires(self, kind: Kind, store: Backend, clock: FakeClock) -> None:
+        await store.set("short", b"v", ttl=2 * kind.tick)
+        await store.set("forever", b"v")
+        assert await store.get("short") == b"v"
+        await elapse(kind, clock, 3)
+        assert await store.get("short") is None
+        assert await store.get("forever") == b"v"
+        await assert_holds(kind, store, 1, len("forever") + 1)
+
+    @needs("clock", "exact_bytes")
     async def test_ttl_expires_lazily_on_read(self, store: Backend, clock: FakeClock) -> None:
         await store.set("short", b"v", ttl=10)
         await store.set("forever", b"v")
@@ -127,17 +229,21 @@ class TestBackendContract:
         clock.advance(10**9)
         assert await store.get("forever") == b"v"
 
-    async def test_overwrite_replaces_ttl(self, store: Backend, clock: FakeClock) -> None:
-        await store.set("k", b"v", ttl=1)
+    async def test_overwrite_replaces_ttl(
+        self, kind: Kind, store: Backend, clock: FakeClock
+    ) -> None:
+        await store.set("k", b"v", ttl=kind.tick)
         await store.set("k", b"w")
-        clock.advance(5)
+        await elapse(kind, clock, 2)
         assert await store.get("k") == b"w"
 
-    async def test_delete_of_expired_entry_is_false(self, store: Backend, clock: FakeClock) -> None:
-        await store.set("k", b"v", ttl=1)
-        clock.advance(1)
+    async def test_delete_of_expired_entry_is_false(
+        self, kind: Kind, store: Backend, clock: FakeClock
+    ) -> None:
+        await store.set("k", b"v", ttl=kind.tick)
+        await elapse(kind, clock, 1.5)
         assert await store.delete("k") is False
-        assert await stats_of(store) == (0, 0)
+        await assert_holds(kind, store, 0, 0)
 
     @pytest.mark.parametrize("ttl", [0, -1, float("nan"), float("inf")])
     async def test_bad_ttl_is_rejected_and_changes_nothing(
@@ -148,6 +254,7 @@ class TestBackendContract:
             await store.set("k", b"w", ttl=ttl)
         assert await store.get("k") == b"v"
 
+    @needs("lru")
     async def test_lru_eviction_respects_reads(
         self, open_store: OpenStore, clock: FakeClock
     ) -> None:
@@ -163,6 +270,7 @@ class TestBackendContract:
         assert [await store.get(k) is not None for k in ("k0", "k2", "k3")] == [True] * 3
         assert await stats_of(store) == (3, 3 * entry)
 
+    @needs("lru")
     async def test_eviction_frees_enough_for_a_big_value(
         self, open_store: OpenStore, clock: FakeClock
     ) -> None:
@@ -175,6 +283,7 @@ class TestBackendContract:
         assert await store.get("k5") is None
         assert await store.get("k6") is not None
 
+    @needs("lru")
     async def test_value_over_max_bytes_is_not_stored(self, open_store: OpenStore) -> None:
         store = open_store(max_bytes=1000)
         await store.set("small", b"s")
@@ -186,7 +295,9 @@ class TestBackendContract:
         assert await store.get("small") == b"s"
         assert await stats_of(store) == (1, len("small") + 1)
 
-    async def test_purge_namespace_only_touches_that_namespace(self, store: Backend) -> None:
+    async def test_purge_namespace_only_touches_that_namespace(
+        self, kind: Kind, store: Backend
+    ) -> None:
         for key in ("a/1", "a/2", "a/x/3", "ab/4", "a", "b/a/5", "a0"):
             await store.set(key, b"v")
         assert isinstance(store, NamespacePurge)
@@ -195,15 +306,29 @@ class TestBackendContract:
         for key in ("ab/4", "a", "b/a/5", "a0"):
             assert await store.get(key) == b"v"
         assert await store.purge_namespace("a") == 0
-        assert await stats_of(store) == (4, sum(len(k) + 1 for k in ("ab/4", "a", "b/a/5", "a0")))
+        kept = ("ab/4", "a", "b/a/5", "a0")
+        await assert_holds(kind, store, 4, sum(len(k) + 1 for k in kept))
 
-    async def test_purge_of_a_large_namespace_runs_in_batches(self, store: Backend) -> None:
+    async def test_purge_treats_pattern_characters_literally(self, store: Backend) -> None:
+        for key in ("a*/1", "ab/1", "a?/1", "a[b]/1", "ab]/1", "a\\/1", "a\\x/1"):
+            await store.set(key, b"v")
+        assert isinstance(store, NamespacePurge)
+        assert await store.purge_namespace("a*") == 1
+        assert await store.purge_namespace("a?") == 1
+        assert await store.purge_namespace("a[b]") == 1
+        assert await store.purge_namespace("a\\") == 1
+        assert isinstance(store, Scan)
+        assert await store.scan("a") == sorted(["ab/1", "ab]/1", "a\\x/1"])
+
+    async def test_purge_of_a_large_namespace_runs_in_batches(
+        self, kind: Kind, store: Backend
+    ) -> None:
         for i in range(PURGE_BATCH * 2 + 7):
             await store.set(f"big/{i:05d}", b"v")
         await store.set("keep/1", b"v")
         assert isinstance(store, NamespacePurge)
         assert await store.purge_namespace("big") == PURGE_BATCH * 2 + 7
-        assert await stats_of(store) == (1, len("keep/1") + 1)
+        await assert_holds(kind, store, 1, len("keep/1") + 1)
 
     async def test_scan_pages_through_a_prefix_in_key_order(self, store: Backend) -> None:
         for key in ("n/3", "n/1", "n/2", "m/1", "n0", "o/1"):
@@ -221,18 +346,21 @@ class TestBackendContract:
         assert await store.namespace_stats("n") == (2, 3 + 2 + 3 + 3)
         assert await store.namespace_stats("zz") == (0, 0)
 
+    @needs("max_bytes")
     async def test_stats_reports_bound(self, open_store: OpenStore) -> None:
         store = open_store(max_bytes=12345)
         assert isinstance(store, StoreStats)
         result = await store.stats()
         assert (result.entries, result.bytes, result.max_bytes) == (0, 0, 12345)
 
-    async def test_concurrent_writers_all_land(self, store: Backend) -> None:
+    async def test_concurrent_writers_all_land(self, kind: Kind, store: Backend) -> None:
         keys = [f"ns/{i}" for i in range(50)]
         await asyncio.gather(*(store.set(k, k.encode() * 10) for k in keys))
         values = await asyncio.gather(*(store.get(k) for k in keys))
         assert values == [k.encode() * 10 for k in keys]
-        assert await stats_of(store) == (50, sum(len(k) * 11 for k in keys))
+        await assert_holds(kind, store, 50, sum(len(k) * 11 for k in keys))
+        assert isinstance(store, NamespaceStats)
+        assert await store.namespace_stats("ns") == (50, sum(len(k) * 11 for k in keys))
 
     async def test_closed_store_raises_backend_error(self, store: Backend) -> None:
         await store.aclose()
@@ -382,13 +510,73 @@ class TestOpenBackend:
             ("ftp://example.com/x", "unknown scheme"),
             ("/just/a/path", "unknown scheme"),
             ("", "unknown scheme"),
-            ("redis://localhost:6379/0", "not yet supported"),
-            ("rediss://localhost:6380/0", "not yet supported"),
-            ("unix:///run/redis.sock", "not yet supported"),
-            ("redis+cluster://localhost:7000", "not yet supported"),
+            ("redis://", "host is required"),
+            ("redis://h:notaport/0", "bad port"),
+            ("redis://h:6379/zero", "database number"),
+            ("redis://h:6379/0?socket_timeout=0", "positive number"),
+            ("redis://h:6379/0?socket_timeout=abc", "positive number"),
+            ("redis://h:6379/0?socket_connect_timeout=-1", "positive number"),
+            ("redis://h:6379/0?max_connections=0", "positive integer"),
+            ("redis://h:6379/0?max_connections=2.5", "positive integer"),
+            ("redis://h:6379/0?max_connections=1&max_connections=2", "more than once"),
+            ("redis://h:6379/0?pool=3", "unknown parameter"),
+            ("redis://h:6379/0?ssl_ca_certs=/x", "unknown parameter"),
+            ("redis://h:6379/0#frag", "fragment"),
+            ("unix://host/run/redis.sock", "unix:///absolute"),
+            ("unix:///run/redis.sock?db=x", "positive integer"),
+            ("redis+cluster://h:7000/3", "only database 0"),
+            ("redis+cluster://:7000", "host is required"),
+            ("tiered+", "write tiered"),
+            ("tiered+tiered+memory://", "write tiered"),
+            ("tiered+memory://?l1_max_bytes=0", "positive integer"),
+            ("tiered+memory://?l1_ttl=nan", "positive number"),
+            ("tiered+memory://?l1_size=5", "unknown parameter"),
+            ("tiered+memory://?l1_ttl=1&l1_ttl=2", "more than once"),
+            ("tiered+ftp://x", "unknown scheme"),
         ],
     )
     def test_bad_urls_name_the_url(self, url: str, message: str) -> None:
         with pytest.raises(ValueError, match=message) as caught:
             open_backend(url)
         assert repr(url) in str(caught.value)
+
+    def test_redis_password_never_shows(self) -> None:
+        url = "redis://user:s3cret@h:6379/zero"
+        with pytest.raises(ValueError, match="database number") as caught:
+            open_backend(url)
+        assert "s3cret" not in str(caught.value)
+        assert "user:***@h" in str(caught.value)
+
+    @pytest.mark.parametrize(
+        "url",
+        [
+            "redis://localhost:6379/0",
+            "redis://localhost",
+            "redis://u:p@localhost:6379/2?socket_timeout=0.5&socket_connect_timeout=2",
+            "rediss://localhost:6380/0?ssl_cert_reqs=none&max_connections=8",
+            "unix:///run/redis.sock?db=3",
+            "redis+cluster://localhost:7000",
+            "rediss+cluster://localhost:7000?ssl_ca_certs=/etc/ca.pem",
+        ],
+    )
+    async def test_redis_urls_open_without_connecting(self, url: str) -> None:
+        backend = open_backend(url)
+        assert isinstance(backend, RedisBackend)
+        assert "u:p@" not in repr(backend)
+        await backend.aclose()
+        with pytest.raises(BackendError, match="closed"):
+            await backend.get("k")
+
+    async def test_tiered_url_splits_its_options_from_l2(self, tmp_path: Path) -> None:
+        backend = open_backend(
+            f"tiered+disk://{tmp_path}?max_bytes=5000&l1_max_bytes=300&l1_ttl=2.5"
+        )
+        try:
+            assert isinstance(backend, TieredBackend)
+            assert backend.l1.max_bytes == 300
+            assert isinstance(backend.l2, DiskBackend)
+            assert backend.l2.directory == tmp_path
+            assert backend.l2.max_bytes == 5000
+            assert "l1_ttl=2.5" in repr(backend)
+        finally:
+            await backend.aclose()

@@ -1,0 +1,179 @@
+"""Two tiers: a small in-process LRU (L1) in front of a shared store (L2).
+
+URL: "tiered+" then the L2 URL, with the L1 options in its query, which are taken out
+before L2 is opened:
+
+    tiered+redis://cache:6379/0?l1_max_bytes=67108864&l1_ttl=60
+    tiered+redis+cluster://cache:7000?l1_max_bytes=33554432
+    tiered+disk:///var/cache/cacheproxy?max_bytes=10000000000&l1_max_bytes=67108864
+
+l1_max_bytes bounds L1 (default 64 MiB); l1_ttl (seconds, default 60) bounds how long L1
+keeps any entry. Reads go L1, then L2 (filling L1); writes and deletes go to both; purge
+purges both; scan and the stats are L2's.
+
+Staleness: one replica's L1 is not told about another replica's delete or overwrite, nor
+about L2 expiring or evicting an entry it copied, so it may serve that value for at most
+l1_ttl longer (and only while L1's LRU keeps it). For the proxy this is harmless: a new
+producer means a new fingerprint namespace, which makes the old entries unreachable in
+every L1 at once. An L1 hit never touches L2, so a failing L2 costs only misses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from backends.base import (
+    Backend,
+    BackendError,
+    Clock,
+    NamespacePurge,
+    NamespaceStats,
+    Scan,
+    StoreStats,
+    StoreStatsResult,
+    expiry,
+)
+from backends.memory import MemoryBackend
+
+PREFIX = "tiered+"
+DEFAULT_L1_MAX_BYTES = 64 * 1024 * 1024
+DEFAULT_L1_TTL = 60.0
+
+
+class TieredBackend:
+    """Read-through, write-through L1 (MemoryBackend) over any L2 Backend."""
+
+    def __init__(self, l1: MemoryBackend, l2: Backend, *, l1_ttl: float = DEFAULT_L1_TTL) -> None:
+        if not math.isfinite(l1_ttl) or l1_ttl <= 0:
+            raise ValueError(f"l1_ttl must be a positive number of seconds, got {l1_ttl!r}")
+        self._l1 = l1
+        self._l2 = l2
+        self._l1_ttl = l1_ttl
+        # Moves at the start and the end of every write: a fill whose L2 read overlapped
+        # a write may carry the older value, so it is dropped instead of cached.
+        self._epoch = 0
+
+    def __repr__(self) -> str:
+        return f"TieredBackend({self._l1!r}, {self._l2!r}, l1_ttl={self._l1_ttl})"
+
+    @property
+    def l1(self) -> MemoryBackend:
+        """The in-process tier."""
+        return self._l1
+
+    @property
+    def l2(self) -> Backend:
+        """The shared tier."""
+        return self._l2
+
+    async def get(self, key: str) -> bytes | None:
+        """L1, else L2 (copying a hit into L1)."""
+        value = await self._l1.get(key)
+        if value is not None:
+            return value
+        epoch = self._epoch
+        value = await self._l2.get(key)
+        if value is not None and epoch == self._epoch:
+            await self._l1.set(key, value, self._l1_ttl)
+        return value
+
+    async def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
+        """Store in L2, then in L1 for at most l1_ttl."""
+        expiry(0.0, ttl)  # a bad ttl changes nothing in either tier
+        self._epoch += 1
+        try:
+            await self._l2.set(key, value, ttl)
+        except BaseException:
+            await self._l1.delete(key)  # L2 may or may not hold the new value now
+            raise
+        finally:
+            self._epoch += 1
+        await self._l1.set(key, value, self._l1_ttl if ttl is None else min(ttl, self._l1_ttl))
+
+    async def delete(self, key: str) -> bool:
+        """Remove from both tiers; True when either held a live entry."""
+        self._epoch += 1
+        try:
+            in_l1 = await self._l1.delete(key)
+            return await self._l2.delete(key) or in_l1
+        finally:
+            self._epoch += 1
+
+    async def purge_namespace(self, namespace: str) -> int:
+        """Purge L1, then L2; the count is L2's."""
+        self._epoch += 1
+        try:
+            await self._l1.purge_namespace(namespace)
+            if not isinstance(self._l2, NamespacePurge):
+                raise _lacks(self._l2, NamespacePurge)
+            return await self._l2.purge_namespace(namespace)
+        finally:
+            self._epoch += 1
+
+    async def scan(self, prefix: str, *, after: str = "", limit: int = 1000) -> list[str]:
+        """L2's keys."""
+        if not isinstance(self._l2, Scan):
+            raise _lacks(self._l2, Scan)
+        return await self._l2.scan(prefix, after=after, limit=limit)
+
+    async def namespace_stats(self, namespace: str) -> tuple[int, int]:
+        """L2's size of one namespace."""
+        if not isinstance(self._l2, NamespaceStats):
+            raise _lacks(self._l2, NamespaceStats)
+        return await self._l2.namespace_stats(namespace)
+
+    async def stats(self) -> StoreStatsResult:
+        """L2's size and bound."""
+        if not isinstance(self._l2, StoreStats):
+            raise _lacks(self._l2, StoreStats)
+        return await self._l2.stats()
+
+    async def aclose(self) -> None:
+        """Close both tiers (L2 even if L1 fails); idempotent."""
+        results = await asyncio.gather(self._l1.aclose(), self._l2.aclose(), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+
+def _lacks(backend: Backend, capability: type) -> BackendError:
+    return BackendError(f"{backend!r} has no {capability.__name__} capability")
+
+
+def open_tiered(url: str, *, clock: Clock, open_l2: Callable[[str], Backend]) -> TieredBackend:
+    """A TieredBackend from a tiered+<L2 URL>; ValueError naming the URL when it is bad."""
+    inner = urlsplit(url.removeprefix(PREFIX))
+    if not inner.scheme or inner.scheme.startswith(PREFIX.rstrip("+")):
+        raise ValueError(f"backend URL {url!r}: write tiered+<store URL>, like tiered+redis://h/0")
+    params = parse_qsl(inner.query, keep_blank_values=True)
+    ours = {name: raw for name, raw in params if name.startswith("l1_")}
+    unknown = sorted(set(ours) - {"l1_max_bytes", "l1_ttl"})
+    if unknown:
+        raise ValueError(f"backend URL {url!r}: unknown parameter(s) {', '.join(unknown)}")
+    if sum(name.startswith("l1_") for name, _ in params) > len(ours):
+        raise ValueError(f"backend URL {url!r}: an l1_ option is given more than once")
+    max_bytes = _number(url, "l1_max_bytes", ours.get("l1_max_bytes"), DEFAULT_L1_MAX_BYTES)
+    l1_ttl = _number(url, "l1_ttl", ours.get("l1_ttl"), DEFAULT_L1_TTL)
+    rest = urlencode([(name, raw) for name, raw in params if not name.startswith("l1_")])
+    try:
+        l2 = open_l2(urlunsplit(inner._replace(query=rest)))
+    except ValueError as exc:
+        raise ValueError(f"backend URL {url!r}: {exc}") from None
+    return TieredBackend(MemoryBackend(max_bytes=int(max_bytes), clock=clock), l2, l1_ttl=l1_ttl)
+
+
+def _number(url: str, name: str, raw: str | None, default: float) -> float:
+    if raw is None:
+        return default
+    integral = name == "l1_max_bytes"
+    try:
+        value = float(int(raw)) if integral else float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        kind = "integer" if integral else "number of seconds"
+        raise ValueError(f"backend URL {url!r}: {name} must be a positive {kind}, got {raw!r}")
+    return value

@@ -1,0 +1,293 @@
+"""Redis-specific behaviour: failures, reconnects, the cluster, pool bounds, server-side limits.
+
+The byte-level contract itself runs in tests/test_backends.py against Redis and the cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+import redis
+
+from backends import BackendError, RedisBackend, open_backend
+from tests.conftest_redis import StartServer
+from tests.redis_servers import RedisClusterNodes, RedisServer, free_port
+
+
+def open_redis(url: str) -> RedisBackend:
+    backend = open_backend(url)
+    assert isinstance(backend, RedisBackend)
+    return backend
+
+
+async def silent_server() -> tuple[asyncio.Server, int]:
+    """A TCP server that accepts connections and never answers."""
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.read(65536):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    return server, int(server.sockets[0].getsockname()[1])
+
+
+def info(server: RedisServer, section: str) -> dict[str, object]:
+    with server.client() as client:
+        result: dict[str, object] = client.info(section)
+        return result
+
+
+@pytest.mark.asyncio
+class TestFailures:
+    @pytest.mark.parametrize("scheme", ["redis", "redis+cluster"])
+    async def test_unreachable_server_is_a_quick_backend_error(self, scheme: str) -> None:
+        store = open_redis(f"{scheme}://127.0.0.1:{free_port()}")
+        started = time.monotonic()
+        try:
+            with pytest.raises(BackendError, match="Error"):
+                await store.get("k")
+            with pytest.raises(BackendError):
+                await store.set("k", b"v")
+        finally:
+            await store.aclose()
+        assert time.monotonic() - started < 1.0
+
+    async def test_silent_server_times_out_as_configured(self) -> None:
+        server, port = await silent_server()
+        store = open_redis(f"redis://127.0.0.1:{port}/0?socket_timeout=0.2")
+        started = time.monotonic()
+        try:
+            with pytest.raises(BackendError, match="Timeout"):
+                await store.get("k")
+        finally:
+            await store.aclose()
+            server.close()
+            await server.wait_closed()
+        assert 0.15 < time.monotonic() - started < 1.5
+
+    async def test_stopped_server_fails_then_restarted_server_works(
+        self, start_redis: StartServer
+    ) -> None:
+        server = start_redis()
+        store = open_redis(server.url)
+        try:
+            await store.set("k", b"before")
+            assert await store.get("k") == b"before"
+            server.stop()
+            with pytest.raises(BackendError):
+                await store.get("k")
+            server.start()  # same port, empty: nothing was persisted
+            assert await store.get("k") is None
+            await store.set("k", b"after")
+            assert await store.get("k") == b"after"
+        finally:
+            await store.aclose()
+
+    async def test_out_of_memory_is_a_backend_error(self, start_redis: StartServer) -> None:
+        server = start_redis("--maxmemory-policy", "noeviction")
+        used = int(str(info(server, "memory")["used_memory"]))
+        with server.client() as client:
+            client.config_set("maxmemory", used + 1_000_000)
+        store = open_redis(server.url)
+        try:
+            await store.set("first", b"x" * 200_000)
+            with pytest.raises(BackendError, match="OOM|memory"):
+                for i in range(20):
+                    await store.set(f"k{i}", b"x" * 200_000)
+            assert await store.get("first") == b"x" * 200_000  # reads still work
+        finally:
+            await store.aclose()
+
+
+@pytest.mark.asyncio
+class TestServerSide:
+    async def test_get_is_a_single_get_command(
+        self, redis_server: RedisServer, redis_url: str
+    ) -> None:
+        store = open_redis(redis_url)
+        try:
+            await store.set("hot", b"x" * 500)
+            await store.get("hot")  # connects (HELLO, CLIENT SETINFO, SELECT) before counting
+            with redis_server.client() as client:
+                client.ping()
+                client.config_resetstat()
+                for _ in range(100):
+                    assert await store.get("hot") == b"x" * 500
+                stats = client.info("commandstats")
+        finally:
+            await store.aclose()
+        assert set(stats) <= {"cmdstat_get", "cmdstat_config|resetstat", "cmdstat_info"}
+        get_stats = stats["cmdstat_get"]
+        assert isinstance(get_stats, dict)
+        assert get_stats["calls"] == 100
+
+    async def test_ttl_becomes_px_milliseconds(
+        self, redis_server: RedisServer, redis_url: str
+    ) -> None:
+        store = open_redis(redis_url)
+        try:
+            await store.set("short", b"v", ttl=0.25)
+            await store.set("tiny", b"v", ttl=0.0001)
+            await store.set("long", b"v", ttl=100)
+            await store.set("forever", b"v")
+            with redis.Redis(port=redis_server.port, db=1) as client:
+                assert 0 < client.pttl("short") <= 250
+                assert client.pttl("tiny") in (-2, 0, 1)  # 1 ms, so maybe gone already
+                assert 99_000 < client.pttl("long") <= 100_000
+                assert client.pttl("forever") == -1
+        finally:
+            await store.aclose()
+
+    async def test_stats_report_maxmemory(self, start_redis: StartServer, redis_url: str) -> None:
+        bounded = open_redis(start_redis("--maxmemory", "10mb").url)
+        unbounded = open_redis(redis_url)
+        try:
+            await bounded.set("ns/a", b"12345")
+            result = await bounded.stats()
+            assert (result.entries, result.max_bytes) == (1, 10 * 1024 * 1024)
+            assert result.bytes > 0  # used_memory: the server's whole footprint
+            assert (await unbounded.stats()).max_bytes is None
+        finally:
+            await bounded.aclose()
+            await unbounded.aclose()
+
+    async def test_allkeys_lru_evicts_approximately(self, start_redis: StartServer) -> None:
+        server = start_redis("--maxmemory", "8mb", "--maxmemory-policy", "allkeys-lru")
+        store = open_redis(server.url)
+        try:
+            for i in range(200):  # 20 MB through an 8 MB server
+                await store.set(f"ns/{i:03d}", os.urandom(100_000))
+            assert await store.get("ns/199") is not None
+            entries, _ = await store.namespace_stats("ns")
+            assert 20 < entries < 200
+            assert int(str(info(server, "stats")["evicted_keys"])) >= 200 - entries
+        finally:
+            await store.aclose()
+
+    async def test_unix_socket_url_with_db(
+        self, redis_server: RedisServer, redis_url: str
+    ) -> None:
+        socket_path = redis_server.directory / "redis.sock"
+        store = open_redis(f"unix://{socket_path}?db=2")
+        try:
+            await store.set("via-socket", b"v")
+            assert await store.get("via-socket") == b"v"
+        finally:
+            await store.aclose()
+        with redis.Redis(port=redis_server.port, db=2) as client:
+            assert client.get("via-socket") == b"v"
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def shared_store_url(request: pytest.FixtureRequest) -> str:
+    """The session server's or the session cluster's URL, emptied for this test."""
+    fixture = "redis_url" if request.param == "redis" else "redis_cluster_url"
+    url: str = request.getfixturevalue(fixture)
+    return url
+
+
+@pytest.mark.asyncio
+class TestLoad:
+    async def test_writers_beyond_max_connections_wait_their_turn(
+        self, shared_store_url: str
+    ) -> None:
+        store = open_redis(shared_store_url + "?max_connections=4")
+        keys = [f"load/{i}" for i in range(400)]
+        try:
+            await asyncio.gather(*(store.set(k, k.encode()) for k in keys))
+            assert await asyncio.gather(*(store.get(k) for k in keys)) == [
+                k.encode() for k in keys
+            ]
+            assert await store.namespace_stats("load") == (400, sum(2 * len(k) for k in keys))
+        finally:
+            await store.aclose()
+
+    async def test_large_binary_values_concurrently(self, shared_store_url: str) -> None:
+        store = open_redis(shared_store_url)
+        values = {f"big/{i}": os.urandom(5 * 1024 * 1024) for i in range(4)}
+        try:
+            await asyncio.gather(*(store.set(k, v) for k, v in values.items()))
+            got = await asyncio.gather(*(store.get(k) for k in values))
+            assert got == list(values.values())
+            assert await store.namespace_stats("big") == (
+                4, sum(len(k) + len(v) for k, v in values.items())
+            )  # fmt: skip
+        finally:
+            await store.aclose()
+
+    async def test_connections_stay_within_max_connections(
+        self, shared_store_url: str, request: pytest.FixtureRequest
+    ) -> None:
+        store = open_redis(shared_store_url + "?max_connections=3")
+        stop = asyncio.Event()
+
+        async def writer(i: int) -> None:
+            while not stop.is_set():
+                await store.set(f"c/{i}", b"v" * 1000)
+
+        tasks = [asyncio.create_task(writer(i)) for i in range(40)]
+        try:
+            await asyncio.sleep(0.3)
+            for server in _servers(request):
+                with server.client() as client:
+                    commands = [c["cmd"] for c in client.client_list()]
+                # Not counted: this client, and the cluster client's discovery connection.
+                ours = [c for c in commands if c not in ("client|list", "cluster|slots")]
+                assert 1 <= len(ours) <= 3
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+            await store.aclose()
+
+
+def _servers(request: pytest.FixtureRequest) -> list[RedisServer]:
+    if request.node.callspec.params["shared_store_url"] == "redis":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        return [server]
+    cluster: RedisClusterNodes = request.getfixturevalue("redis_cluster")
+    return cluster.servers
+
+
+@pytest.mark.asyncio
+class TestCluster:
+    async def test_purge_reaches_every_primary(
+        self, redis_cluster: RedisClusterNodes, redis_cluster_url: str
+    ) -> None:
+        store = open_redis(redis_cluster_url)
+        try:
+            for i in range(300):
+                await store.set(f"old/{i}", b"v")
+            for i in range(30):
+                await store.set(f"new/{i}", b"v")
+            held = [_count(server, "old/*") for server in redis_cluster.servers]
+            assert all(n > 0 for n in held) and sum(held) == 300  # spread over all three
+            assert await store.purge_namespace("old") == 300
+            assert [_count(server, "old/*") for server in redis_cluster.servers] == [0, 0, 0]
+            assert sum(_count(server, "new/*") for server in redis_cluster.servers) == 30
+            assert await store.scan("") == sorted(f"new/{i}" for i in range(30))
+        finally:
+            await store.aclose()
+
+    async def test_stats_sum_over_primaries(
+        self, redis_cluster: RedisClusterNodes, redis_cluster_url: str
+    ) -> None:
+        store = open_redis(redis_cluster_url)
+        try:
+            for i in range(60):
+                await store.set(f"s/{i}", b"v")
+            result = await store.stats()
+            used = sum(int(str(info(s, "memory")["used_memory"])) for s in redis_cluster.servers)
+        finally:
+            await store.aclose()
+        assert result.entries == 60
+        assert result.max_bytes is None
+        assert 0.5 * used < result.bytes < 2 * used
+
+
+def _count(server: RedisServer, pattern: str) -> int:
+    with server.client() as client:
+        return sum(1 for _ in client.scan_iter(match=pattern, count=1000))
