@@ -65,6 +65,20 @@ class NamespaceStats(Protocol):
         """(entries, bytes) of the keys starting with namespace + "/"."""
 
 
+@runtime_checkable
+class DistributedLock(Protocol):
+    """Optional capability: short leases shared by every replica using the store."""
+
+    async def try_lock(self, name: str, owner: str, ttl: float) -> bool:
+        """Take the lease `name` for `owner` unless someone holds it; it expires after ttl."""
+
+    async def renew_lock(self, name: str, owner: str, ttl: float) -> bool:
+        """Extend the lease if `owner` still holds it."""
+
+    async def unlock(self, name: str, owner: str) -> None:
+        """Release the lease if `owner` still holds it."""
+
+
 PURGE_BATCH = 500
 
 

@@ -45,6 +45,11 @@ _TLS_OPTIONS = frozenset(
 _FAILURES = (RedisError, RedisClusterException, OSError)
 
 Client = Redis | RedisCluster
+# Compare-and-act on a lease, atomically: only its owner extends or releases it.
+_RENEW = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
+          "return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end")
+_UNLOCK = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
+           "return redis.call('del', KEYS[1]) else return 0 end")
 
 
 class RedisBackend:
@@ -91,6 +96,23 @@ class RedisBackend:
         async with self._guard:
             removed = await self._client.execute_command("UNLINK", key)
         return bool(removed)
+
+    async def try_lock(self, name: str, owner: str, ttl: float) -> bool:
+        """SET name owner NX PX ttl."""
+        async with self._guard:
+            return bool(await self._client.set(name, owner, nx=True, px=_milliseconds(ttl)))
+
+    async def renew_lock(self, name: str, owner: str, ttl: float) -> bool:
+        """PEXPIRE name, only while owner holds it (one atomic script)."""
+        async with self._guard:
+            renewed = await self._client.eval(
+                _RENEW, 1, name, owner, str(_milliseconds(ttl)))
+        return bool(renewed)
+
+    async def unlock(self, name: str, owner: str) -> None:
+        """DEL name, only while owner holds it (one atomic script)."""
+        async with self._guard:
+            await self._client.eval(_UNLOCK, 1, name, owner)
 
     async def purge_namespace(self, namespace: str) -> int:
         """SCAN "<namespace>/*" on every primary and UNLINK in batches; return the count."""

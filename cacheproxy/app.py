@@ -21,6 +21,7 @@ from cacheproxy.invalidation import Invalidator
 from cacheproxy.metrics import Metrics
 from cacheproxy.runners.base import Runner
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
+from cacheproxy.runners.upstream import UpstreamOptions, UpstreamRunner
 from cacheproxy.service import CachingProxy, ServiceOptions
 from cacheproxy.settings import Settings
 from cacheproxy.state import HOT, IDENTITY, INVALIDATOR, PROXY, SETTINGS, STARTED, Hot
@@ -84,16 +85,28 @@ def _add_routes(app: web.Application, settings: Settings, metrics: Metrics,
     app.router.add_route("*", "/{tail:.*}", edge(no_route(allowed)))
 
 
+def _build_runner(settings: Settings) -> Runner:
+    """In-process MLX, or the upstream mlx_lm.server pool when upstreams are given."""
+    if settings.upstream:
+        return UpstreamRunner(UpstreamOptions(
+            urls=settings.upstream, model_dir=Path(settings.model_dir),
+            model_id=settings.served_model_id, queue_size=settings.queue_size,
+            default_max_tokens=settings.default_max_tokens,
+            max_tokens_cap=settings.max_tokens_cap, device_scope=settings.device_scope,
+            digest_memo=Path(settings.digest_memo), timeout=settings.upstream_timeout))
+    return MlxRunner(MlxOptions(
+        model=settings.model, model_id=settings.served_model_id,
+        queue_size=settings.queue_size, default_max_tokens=settings.default_max_tokens,
+        max_tokens_cap=settings.max_tokens_cap, device_scope=settings.device_scope,
+        digest_memo=Path(settings.digest_memo)))
+
+
 def _lifecycle(
     settings: Settings, runner: Runner | None, store: Backend | None
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         the_store = store or open_backend(settings.store)  # a bad URL fails before loading
-        the_runner = runner or MlxRunner(MlxOptions(
-            model=settings.model, model_id=settings.served_model_id,
-            queue_size=settings.queue_size, default_max_tokens=settings.default_max_tokens,
-            max_tokens_cap=settings.max_tokens_cap, device_scope=settings.device_scope,
-            digest_memo=Path(settings.digest_memo)))
+        the_runner = runner or _build_runner(settings)
         proxy: CachingProxy | None = None
         invalidator: Invalidator | None = None
         try:
@@ -104,9 +117,14 @@ def _lifecycle(
             await invalidator.start(
                 watch_interval=settings.watch_interval if settings.watch else None)
             app[INVALIDATOR] = invalidator
+            if isinstance(the_runner, UpstreamRunner):  # it sees engine changes by itself
+                the_runner.on_fingerprint_change = invalidator.fingerprint_changed
             proxy = CachingProxy(the_runner, the_store,
                                  ServiceOptions(generation_timeout=settings.generation_timeout,
-                                                ttl=settings.ttl),
+                                                ttl=settings.ttl,
+                                                store_timeout=settings.store_timeout,
+                                                store_retry=settings.store_retry,
+                                                lock_ttl=settings.lock_ttl),
                                  gate=invalidator.wait_ready)
             app[PROXY] = proxy
             log.info("serving", model=settings.served_model_id,

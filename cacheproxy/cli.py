@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from cacheproxy import __version__
+from cacheproxy.errors import UpstreamUnavailable
 from cacheproxy.logs import BatchedLines
 from cacheproxy.settings import Settings, build_settings
 
@@ -45,6 +46,19 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-scope", dest="cache_scope", choices=["shared", "per-key"])
     serve.add_argument("--max-in-flight", dest="max_in_flight", type=int,
                        help="requests served at once before 503")
+    serve.add_argument("--store-timeout", dest="store_timeout", type=float,
+                       help="seconds a store call may take before it counts as a failure")
+    serve.add_argument("--store-retry", dest="store_retry", type=float,
+                       help="seconds to answer without the store after a failure")
+    serve.add_argument("--lock-ttl", dest="lock_ttl", type=float,
+                       help="seconds a cross-replica fill lease lives unless renewed")
+    serve.add_argument("--upstream", action="append", metavar="URL",
+                       help="generate on a running mlx_lm.server instead of in-process "
+                            "(repeatable: a pool; env CACHEPROXY_UPSTREAM, comma-separated)")
+    serve.add_argument("--model-dir", dest="model_dir", metavar="PATH",
+                       help="with --upstream: the model directory the upstream serves")
+    serve.add_argument("--upstream-timeout", dest="upstream_timeout", type=float,
+                       help="seconds to connect to an upstream, and its longest silence")
     serve.add_argument("--log-format", dest="log_format", choices=["auto", "json", "console"])
     serve.add_argument("--log-level", dest="log_level")
 
@@ -99,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "fingerprint":
             return fingerprint(args.model)
         return asyncio.run(_store_command(args))
-    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+    except (ValueError, FileNotFoundError, FileExistsError, UpstreamUnavailable) as exc:
         print(f"cacheproxy: error: {exc}", file=sys.stderr)
         return 2
 

@@ -48,8 +48,9 @@ async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     answer = await proxy.answer(parsed, directives=directives, scope=scope)
     if answer.flight is not None:
         await answer.flight.started()  # errors before the first token are real HTTP errors
-        if answer.flight.from_store:
-            answer = Answer("HIT", answer.reason, answer.key, answer.fingerprint,
+        if answer.flight.from_store:  # stored meanwhile, here or by another replica
+            status = "COALESCED" if answer.flight.remote else "HIT"
+            answer = Answer(status, answer.reason, answer.key, answer.fingerprint,
                             flight=answer.flight)
     info = request[CACHE_LOG] = {"cache": answer.status, "reason": answer.reason,
                                  "key": answer.key[33:45]}

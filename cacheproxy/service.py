@@ -23,10 +23,12 @@ from dataclasses import dataclass
 import msgpack
 import structlog
 
-from backends.base import Backend, BackendError
+from backends.base import Backend, DistributedLock
 from cacheproxy import __version__, codec
+from cacheproxy.breaker import Breaker, StoreUnavailable
 from cacheproxy.canonical import CanonicalRequest, Parsed
 from cacheproxy.errors import GenerationTimeout, NotCached
+from cacheproxy.fleet import Fleet
 from cacheproxy.flights import Fill, Flight, Flights
 from cacheproxy.hot import LRU
 from cacheproxy.keys import make_key
@@ -57,6 +59,9 @@ class ServiceOptions:
 
     generation_timeout: float = 300.0
     ttl: float | None = None  # entries of a pinned producer do not go stale by default
+    store_timeout: float = 1.0
+    store_retry: float = 2.0  # seconds the breaker stays open after a store failure
+    lock_ttl: float = 10.0  # lease of a cross-replica fill; renewed every third of it
 
 
 async def _always_open() -> None:
@@ -84,6 +89,9 @@ class CachingProxy:
         self.counters: dict[str, int] = {"store_errors": 0, "corrupt_records": 0}
         # Decoded records by key, reused while the store returns the same bytes.
         self._decoded: LRU[str, tuple[bytes, codec.Record, bytes]] = LRU(4096)
+        self.breaker = Breaker(timeout=options.store_timeout, cooldown=options.store_retry)
+        self.fleet = Fleet(store, lock_ttl=options.lock_ttl) \
+            if isinstance(store, DistributedLock) else None
 
     async def answer(
         self, parsed: Parsed, *, directives: RequestDirectives = NO_DIRECTIVES, scope: str = ""
@@ -99,7 +107,14 @@ class CachingProxy:
             flight, _ = self.flights.join(key, fill, shared=False)
             return Answer("BYPASS", decision.reason, key, fingerprint, flight=flight,
                           stores=False)
-        record = await self._lookup(key, request)
+        try:
+            record = await self._lookup(key, request)
+        except StoreUnavailable:
+            # Keep answering without the store: generate (still one fill per key here).
+            fill = self._fill(request, fingerprint, store=False, recheck=False)
+            flight, _ = self.flights.join(key, fill)
+            return Answer("BYPASS", "store-unavailable", key, fingerprint, flight=flight,
+                          stores=False)
         if record is not None:
             age = max(0.0, self._clock() - float(record.provenance.get("created_at", 0.0)))
             fresh = stored_answer_usable(directives, age)
@@ -124,12 +139,12 @@ class CachingProxy:
                       flight=flight)
 
     async def _lookup(self, key: str, request: CanonicalRequest) -> codec.Record | None:
+        """The valid record under key, None on a miss; StoreUnavailable when the store is not."""
         try:
-            data = await self.store.get(key)
-        except BackendError as exc:
-            self.counters["store_errors"] += 1
-            log.warning("store_get_failed", key=key[:16], error=str(exc))
-            return None
+            data = await self.breaker.call(lambda: self.store.get(key))
+        except StoreUnavailable as exc:
+            self._store_failed("get", key, exc)
+            raise
         if data is None:
             return None
         known = self._decoded.get(key)
@@ -152,50 +167,77 @@ class CachingProxy:
         self.counters["corrupt_records"] += 1
         log.warning("record_discarded", key=key[:16], why=why)
         try:
-            await self.store.delete(key)
-        except BackendError as exc:
-            log.warning("store_delete_failed", key=key[:16], error=str(exc))
+            await self.breaker.call(lambda: self.store.delete(key))
+        except StoreUnavailable as exc:
+            self._store_failed("delete", key, exc)
+
+    def _store_failed(self, op: str, key: str, exc: StoreUnavailable) -> None:
+        self.counters["store_errors"] += 1
+        log.warning("store_unavailable", op=op, key=key[:16], error=str(exc),
+                    breaker=self.breaker.state)
 
     def _fill(
         self, request: CanonicalRequest, fingerprint: str, *, store: bool, recheck: bool,
         previous: codec.Record | None = None,
     ) -> Fill:
         async def fill(flight: Flight) -> None:
-            if recheck and (record := await self._lookup(flight.key, request)) is not None:
+            if recheck and (record := await self._recheck(flight.key, request)) is not None:
                 # Filled by a flight that finished between our lookup and our join.
-                for chunk in record.output.chunks:
-                    flight.publish(chunk)
-                flight.finish(record.output, from_store=True)
+                _replay(flight, record)
                 return
-            started = time.monotonic()
-            generation = self.runner.generate(request)
+            lease = None
+            if store and self.fleet is not None:
+                got = await self.fleet.lead_or_follow(
+                    flight.key, lambda: self._recheck(flight.key, request))
+                if isinstance(got, codec.Record):  # another replica generated it
+                    flight.remote = True
+                    _replay(flight, got)
+                    return
+                lease = got
             try:
-                async with asyncio.timeout(self._options.generation_timeout):
-                    async for chunk in generation.chunks():
-                        flight.publish(chunk)
-            except TimeoutError:
-                generation.cancel()
-                raise GenerationTimeout(
-                    f"generation exceeded {self._options.generation_timeout:g} s"
-                ) from None
-            except asyncio.CancelledError:
-                generation.cancel()
-                raise
-            output = generation.output
-            if output is None:
-                raise RuntimeError("runner ended without an output")
-            flight.generation_ms = (time.monotonic() - started) * 1000
-            if previous is not None:
-                same = previous.output.token_ids == output.token_ids and \
-                    previous.output.text == output.text
-                flight.revalidated = "match" if same else "mismatch"
-            unchanged = self.runner.fingerprint().digest == fingerprint
-            if store and unchanged and output.finish_reason in ("stop", "length"):
-                record = self._record(request, output, flight.generation_ms)
-                await self._store(flight.key, record)
-            flight.finish(output)
+                await self._generate(flight, request, fingerprint, store, previous)
+            finally:
+                if lease is not None:
+                    await lease.release()
 
         return fill
+
+    async def _generate(self, flight: Flight, request: CanonicalRequest, fingerprint: str,
+                        store: bool, previous: codec.Record | None) -> None:
+        """Run the generation on the lane, publish it live, store it if it may be stored."""
+        started = time.monotonic()
+        generation = self.runner.generate(request)
+        try:
+            async with asyncio.timeout(self._options.generation_timeout):
+                async for chunk in generation.chunks():
+                    flight.publish(chunk)
+        except TimeoutError:
+            generation.cancel()
+            raise GenerationTimeout(
+                f"generation exceeded {self._options.generation_timeout:g} s"
+            ) from None
+        except asyncio.CancelledError:
+            generation.cancel()
+            raise
+        output = generation.output
+        if output is None:
+            raise RuntimeError("runner ended without an output")
+        flight.generation_ms = (time.monotonic() - started) * 1000
+        if previous is not None:
+            same = previous.output.token_ids == output.token_ids and \
+                previous.output.text == output.text
+            flight.revalidated = "match" if same else "mismatch"
+        unchanged = self.runner.fingerprint().digest == fingerprint
+        if store and unchanged and output.finish_reason in ("stop", "length"):
+            record = self._record(request, output, flight.generation_ms)
+            await self._store(flight.key, record)
+        flight.finish(output)
+
+    async def _recheck(self, key: str, request: CanonicalRequest) -> codec.Record | None:
+        try:
+            return await self._lookup(key, request)
+        except StoreUnavailable:
+            return None  # went down since the lookup: generate anyway
 
     def _record(self, request: CanonicalRequest, output: codec.Output, ms: float) -> codec.Record:
         fp = self.runner.fingerprint()
@@ -210,12 +252,19 @@ class CachingProxy:
         return codec.Record(request=request.wire(), output=output, provenance=provenance)
 
     async def _store(self, key: str, record: codec.Record) -> None:
+        data = codec.encode(record)
         try:
-            await self.store.set(key, codec.encode(record), ttl=self._options.ttl)
-        except BackendError as exc:
-            self.counters["store_errors"] += 1
-            log.warning("store_set_failed", key=key[:16], error=str(exc))
+            await self.breaker.call(lambda: self.store.set(key, data, ttl=self._options.ttl))
+        except StoreUnavailable as exc:
+            self._store_failed("set", key, exc)
 
     async def aclose(self) -> None:
         """Cancel fills in progress."""
         await self.flights.aclose()
+
+
+def _replay(flight: Flight, record: codec.Record) -> None:
+    """Publish a stored answer on a flight, chunk by chunk, as it was generated."""
+    for chunk in record.output.chunks:
+        flight.publish(chunk)
+    flight.finish(record.output, from_store=True)

@@ -50,6 +50,12 @@ class Settings:
     cache_scope: str = "shared"
     admin_token: str = ""
     max_in_flight: int = 1024
+    store_timeout: float = 1.0
+    store_retry: float = 2.0
+    lock_ttl: float = 10.0
+    upstream: tuple[str, ...] = ()  # mlx_lm.server URLs: generate there instead of in-process
+    model_dir: str = ""  # with upstream: the model directory the upstreams serve
+    upstream_timeout: float = 30.0
     log_format: str = "auto"
     log_level: str = "info"
 
@@ -58,7 +64,8 @@ class Settings:
         """The model name clients use: explicit, the demo's name, or the model as given."""
         if self.model_id:
             return self.model_id
-        return DEMO_MODEL_ID if self.model == str(BUNDLED_MODEL) else self.model
+        model = self.model_dir if self.upstream else self.model
+        return DEMO_MODEL_ID if model == str(BUNDLED_MODEL) else model
 
 
 def _convert(field: dataclasses.Field[Any], raw: object) -> object:
@@ -115,7 +122,18 @@ def validate(settings: Settings) -> None:
         "ttl": settings.ttl is None or settings.ttl > 0,
         "cache_scope": settings.cache_scope in ("shared", "per-key"),
         "max_in_flight": settings.max_in_flight >= 1,
+        "store_timeout": settings.store_timeout > 0,
+        "store_retry": settings.store_retry > 0,
+        "lock_ttl": settings.lock_ttl > 0,
+        "upstream_timeout": settings.upstream_timeout > 0,
     }
+    if settings.upstream and not settings.model_dir:
+        raise ValueError("--upstream needs --model-dir: the model directory the upstream serves")
+    if settings.model_dir and not settings.upstream:
+        raise ValueError("--model-dir is for --upstream; the in-process runner takes --model")
+    for url in settings.upstream:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"invalid value for setting 'upstream': {url!r} is not an http URL")
     for name, ok in checks.items():
         if not ok:
             raise ValueError(f"invalid value for setting '{name}': {getattr(settings, name)!r}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -44,6 +44,10 @@ class Generation:
     def push(self, event: Event) -> None:
         """Deliver an event from any thread."""
         self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    def put(self, event: Event) -> None:
+        """Deliver an event from the loop's own thread (no cross-thread wake-up per token)."""
+        self._events.put_nowait(event)
 
     def cancel(self) -> None:
         """Ask the producer to stop at its next token (or not to start)."""
@@ -93,8 +97,8 @@ class Runner(Protocol):
         """Queue a generation; raises Overloaded when the lane's queue is full."""
         ...
 
-    def lane_state(self) -> dict[str, int]:
-        """Queue depth and busy flag, for /health."""
+    def lane_state(self) -> Mapping[str, object]:
+        """Queue depth, busy flag and lanes (runners may add more), for /health."""
         ...
 
     async def aclose(self) -> None:

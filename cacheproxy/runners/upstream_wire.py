@@ -1,0 +1,222 @@
+"""The wire of mlx_lm.server: the body a canonical request becomes, the events of its stream
+and how they become chunks, its `system_fingerprint`, its errors. No I/O here.
+
+Facts of mlx_lm.server (0.32) this module is written against:
+- every parameter the body leaves out falls back to the server's CLI defaults (`--temp`,
+  `--top-p`, `--max-tokens`, ...), so the body sets every one of them;
+- a request with a `seed` is served alone (never batched with other requests);
+- `model` names what to load: "default_model" is the model given to `--model`, any other
+  name makes the server load (or download) that path;
+- its stop words match token sequences, and the stop text is stripped wherever it shows up
+  in the output, even when the tokens did not match and generation goes on; so the proxy
+  sends no stop words and cuts the text itself, the OpenAI way (see `Assembler`);
+- a stream carries no token ids and no logprobs (only whole responses do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+import orjson
+
+from cacheproxy.canonical import CanonicalRequest
+from cacheproxy.codec import Chunk
+from cacheproxy.errors import ProxyError, UpstreamUnavailable
+from cacheproxy.runners.assembler import Assembler
+from cacheproxy.runners.base import Generation
+
+SERVED_MODEL = "default_model"
+PINNED_SEED = 0
+"""The seed sent when a request has none: a seeded request is generated alone upstream."""
+PENALTY_CONTEXT = 20  # tokens the penalties look back over: mlx-lm's own default
+
+
+@dataclass(frozen=True, slots=True)
+class EngineIdentity:
+    """What an upstream's `system_fingerprint` pins: versions, and the device when scoped."""
+
+    engine_version: str
+    mlx_version: str
+    device: str
+    raw: str = field(compare=False)
+
+
+def parse_system_fingerprint(raw: str, *, device_scope: bool) -> EngineIdentity:
+    """mlx_lm.server builds it as f"{mlx_lm version}-{mlx version}-{platform}-{arch}".
+
+    PEP 440 versions hold no "-", so the first two fields split cleanly; the platform
+    (kernel, libc, arch) only counts with device scope, like the in-process runner's device.
+    A string of another shape is pinned whole, as the engine version.
+    """
+    parts = raw.split("-", 2)
+    if len(parts) < 3 or not all(parts):
+        return EngineIdentity(raw, "", "", raw)
+    return EngineIdentity(parts[0], parts[1], parts[2] if device_scope else "", raw)
+
+
+def request_body(request: CanonicalRequest) -> dict[str, Any]:
+    """The streamed request for a canonical one: every sampling parameter explicit."""
+    s = request.sampling
+    body: dict[str, Any] = {
+        "model": SERVED_MODEL,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": request.max_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "min_p": s.min_p,
+        "seed": PINNED_SEED if s.seed is None else s.seed % 2**64,
+        "repetition_penalty": request.repetition_penalty,
+        "repetition_context_size": PENALTY_CONTEXT,
+        "presence_penalty": request.presence_penalty,
+        "presence_context_size": PENALTY_CONTEXT,
+        "frequency_penalty": request.frequency_penalty,
+        "frequency_context_size": PENALTY_CONTEXT,
+        "xtc_probability": 0.0,
+        "xtc_threshold": 0.0,
+        "logit_bias": {str(token): bias for token, bias in request.logit_bias},
+        "logprobs": False,
+        "top_logprobs": 0,
+        "stop": [],  # applied by the proxy on the text: see the module docstring
+    }
+    if request.endpoint == "chat":
+        body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+    else:
+        body["prompt"] = request.prompt
+    return body
+
+
+def probe_body() -> bytes:
+    """A one-token request whose only purpose is the response's `system_fingerprint`."""
+    return orjson.dumps({"model": SERVED_MODEL, "prompt": "Hello", "max_tokens": 1,
+                         "temperature": 0.0, "seed": PINNED_SEED, "stream": False})
+
+
+def path(request: CanonicalRequest) -> str:
+    """The upstream endpoint of a canonical request."""
+    return "/v1/chat/completions" if request.endpoint == "chat" else "/v1/completions"
+
+
+DONE = object()
+"""The `data: [DONE]` line that ends a stream."""
+
+
+def parse_line(line: bytes) -> dict[str, Any] | object | None:
+    """One SSE line: an event (dict), DONE, or None for blank lines, comments, keepalives."""
+    if not line.startswith(b"data:"):
+        return None
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        return DONE
+    try:
+        event = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise UpstreamUnavailable(f"the upstream sent a malformed event: {exc}") from None
+    if not isinstance(event, dict):
+        raise UpstreamUnavailable("the upstream sent an event that is not an object")
+    return event
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What one stream event carries."""
+
+    text: str
+    finish_reason: str | None
+    usage: tuple[int, int] | None  # (prompt, completion) tokens, on the last event
+    fingerprint: str
+
+
+def delta(event: dict[str, Any]) -> Delta:
+    """Text, finish reason, usage and system_fingerprint of a chat or text stream event."""
+    text, finish = "", None
+    choices = event.get("choices") or []
+    if choices and isinstance(choices[0], dict):
+        choice = choices[0]
+        message = choice.get("delta")
+        text = (message.get("content") if isinstance(message, dict) else choice.get("text")) or ""
+        finish = choice.get("finish_reason")
+    usage = event.get("usage")
+    counts = None
+    if isinstance(usage, dict):
+        # prompt_tokens_details.cached_tokens is ignored: it depends on the upstream's
+        # prompt cache, not on the answer.
+        counts = (int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
+    return Delta(str(text), finish if isinstance(finish, str) else None, counts,
+                 str(event.get("system_fingerprint", "")))
+
+
+class UpstreamRejected(ProxyError):
+    """The upstream refused the request (4xx): its status and message are passed through."""
+
+    type = "invalid_request_error"
+    code = "upstream_rejected"
+
+
+@cache
+def _rejected(status: int) -> type[UpstreamRejected]:
+    return type(f"UpstreamRejected{status}", (UpstreamRejected,), {"status": status})
+
+
+def error_message(body: bytes) -> str:
+    """The message of an mlx_lm.server error body ({"error": "..."}), or the raw text."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body.decode(errors="replace").strip()[:500] or "(empty body)"
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, dict):
+        error = error.get("message")
+    return str(error if error is not None else data)[:500]
+
+
+def rejection(status: int, body: bytes) -> ProxyError:
+    """An upstream error status as a proxy error: 4xx passed through, anything else 502."""
+    message = error_message(body)
+    if 400 <= status < 500:
+        return _rejected(status)(f"upstream: {message}")
+    return UpstreamUnavailable(f"the upstream answered {status}: {message}")
+
+
+@dataclass
+class Reading:
+    """One upstream stream as it is relayed: OpenAI stops applied, chunks published."""
+
+    generation: Generation
+    assembler: Assembler
+    chunks: list[Chunk] = field(default_factory=list)
+    deltas: int = 0
+    finish: str = ""
+    usage: tuple[int, int] | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string cut the text."""
+        return self.assembler.stopped
+
+    def take(self, d: Delta) -> bool:
+        """Relay one event; True when a stop string ended the answer."""
+        if d.text:
+            self.deltas += 1
+            self._publish(self.assembler.add(0, d.text, None))
+            if self.assembler.stopped:
+                self.finish = "stop"
+                return True
+        self.finish = d.finish_reason or self.finish
+        self.usage = d.usage or self.usage
+        return False
+
+    def flush(self) -> None:
+        """Publish the text held back for a possible stop string."""
+        if not self.assembler.stopped:
+            self._publish(self.assembler.finish(""))
+
+    def _publish(self, chunk: Chunk | None) -> None:
+        # Text only: an upstream stream carries no token ids (the Assembler's are placeholders).
+        if chunk is not None and chunk.text:
+            text_only = Chunk(chunk.text, ())
+            self.chunks.append(text_only)
+            self.generation.put(text_only)

@@ -1,0 +1,115 @@
+"""Real `python -m mlx_lm.server` processes for tests, and a recording relay to put in
+front of one (to see what it was sent, or to play a misbehaving upstream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+_START_TIMEOUT_S = 60.0
+_FINGERPRINT = re.compile(rb'"system_fingerprint": ?"[^"]*"')
+
+
+class Upstream:
+    """One mlx_lm.server serving a model directory on a fixed port; restartable."""
+
+    def __init__(self, model_dir: Path, port: int, log: Path) -> None:
+        self.model_dir, self.port, self.log = model_dir, port, log
+        self.url = f"http://127.0.0.1:{port}"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Spawn the server (returns at once; `wait_ready` waits for it)."""
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        with self.log.open("ab") as out:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "mlx_lm.server", "--model", str(self.model_dir),
+                 "--host", "127.0.0.1", "--port", str(self.port)],
+                stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self) -> None:
+        """Poll /health until the server answers (the model is loaded at its first request)."""
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                raise RuntimeError(f"mlx_lm.server exited; see {self.log}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.05)
+        raise TimeoutError(f"mlx_lm.server on {self.url} did not start; see {self.log}")
+
+    def kill(self) -> None:
+        """Kill the process (SIGKILL: no goodbye to its clients) and reap it."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+        self._proc = None
+
+
+@dataclass
+class Relay:
+    """An HTTP relay in front of an upstream that records every POST body.
+
+    `fingerprint` rewrites the system_fingerprint of every answer (an upstream of another
+    engine version, without installing one); `stall` delays answers; `reject` answers with
+    (status, body) instead of forwarding. Fakes, each used where a real mlx_lm.server cannot
+    be made to behave that way.
+    """
+
+    target: str
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    fingerprint: str | None = None
+    stall: float = 0.0
+    reject: tuple[int, dict[str, Any]] | None = None
+    url: str = ""
+
+    @property
+    def generations(self) -> list[dict[str, Any]]:
+        """The streamed requests (fills), without probes and prompt-token look-ups."""
+        return [b for b in self.bodies if b.get("stream")]
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """Forward one request, line by line, so streams stay streams."""
+        body = await request.read()
+        if request.method == "POST":
+            self.bodies.append(orjson.loads(body))
+        if self.stall and request.method == "POST":
+            await asyncio.sleep(self.stall)
+        if self.reject is not None and request.method == "POST":
+            status, error = self.reject
+            return web.json_response(error, status=status)
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=connector) as session, session.request(
+            request.method, self.target + request.path_qs, data=body or None,
+            headers={"Content-Type": "application/json"},
+        ) as upstream:
+            response = web.StreamResponse(status=upstream.status, headers={
+                "Content-Type": upstream.headers.get("Content-Type", "application/json")})
+            await response.prepare(request)
+            async for line in upstream.content:
+                await response.write(self._rewritten(line))
+            await response.write_eof()
+            return response
+
+    def _rewritten(self, line: bytes) -> bytes:
+        if self.fingerprint is None:
+            return line
+        return _FINGERPRINT.sub(b'"system_fingerprint": "' + self.fingerprint.encode() + b'"',
+                                line)
