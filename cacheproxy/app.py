@@ -122,7 +122,6 @@ def _lifecycle(
             proxy = CachingProxy(the_runner, the_store,
                                  ServiceOptions(generation_timeout=settings.generation_timeout,
                                                 ttl=settings.ttl,
-                                                store_timeout=settings.store_timeout,
                                                 store_retry=settings.store_retry,
                                                 lock_ttl=settings.lock_ttl),
                                  gate=invalidator.wait_ready)

@@ -1,20 +1,17 @@
 """A circuit breaker for the store: a dead store costs one fast failure, not one per request.
 
-closed    -> every call goes to the store; a failure (error or timeout) opens the breaker
+closed    -> every call goes to the store; a failure opens the breaker
 open      -> calls are refused at once for `cooldown` seconds (requests BYPASS the store)
 half-open -> after the cooldown one call is let through; success closes, failure re-opens
+
+Slow stores fail through their own timeouts (for Redis: `socket_timeout` in the store URL),
+so the breaker adds no timer to the hit path.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
-
-from backends.base import BackendError
-
-T = TypeVar("T")
+from collections.abc import Callable
 
 
 class StoreUnavailable(Exception):
@@ -22,11 +19,9 @@ class StoreUnavailable(Exception):
 
 
 class Breaker:
-    """Guards store calls with a timeout and a cooldown after failures."""
+    """Decides whether the store may be called, from what the last calls did."""
 
-    def __init__(self, *, timeout: float, cooldown: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._timeout = timeout
+    def __init__(self, *, cooldown: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._cooldown = cooldown
         self._clock = clock
         self._open_until = 0.0
@@ -40,23 +35,19 @@ class Breaker:
             return "closed"
         return "open" if self._clock() < self._open_until else "half-open"
 
-    async def call(self, operation: Callable[[], Awaitable[T]]) -> T:
-        """Run one store operation; StoreUnavailable when the breaker refuses or it fails."""
-        state = self.state
-        if state == "open" or (state == "half-open" and self._probing):
+    def allow(self) -> None:
+        """Raise StoreUnavailable unless a call may go to the store now."""
+        if self._open_until == 0.0:
+            return
+        if self._clock() < self._open_until or self._probing:
             raise StoreUnavailable("store circuit open")
-        self._probing = state == "half-open"
-        try:
-            async with asyncio.timeout(self._timeout):
-                result = await operation()
-        except (BackendError, TimeoutError) as exc:
-            self._trip()
-            raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            self._probing = False
-        self._open_until = 0.0
-        return result
+        self._probing = True  # half-open: this call is the probe
 
-    def _trip(self) -> None:
+    def succeeded(self) -> None:
+        """The call worked: close the breaker."""
+        self._open_until, self._probing = 0.0, False
+
+    def failed(self) -> None:
+        """The call failed: open the breaker for the cooldown."""
         self.trips += 1
-        self._open_until = self._clock() + self._cooldown
+        self._open_until, self._probing = self._clock() + self._cooldown, False

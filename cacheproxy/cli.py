@@ -46,8 +46,6 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-scope", dest="cache_scope", choices=["shared", "per-key"])
     serve.add_argument("--max-in-flight", dest="max_in_flight", type=int,
                        help="requests served at once before 503")
-    serve.add_argument("--store-timeout", dest="store_timeout", type=float,
-                       help="seconds a store call may take before it counts as a failure")
     serve.add_argument("--store-retry", dest="store_retry", type=float,
                        help="seconds to answer without the store after a failure")
     serve.add_argument("--lock-ttl", dest="lock_ttl", type=float,

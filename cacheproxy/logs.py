@@ -11,7 +11,9 @@ import asyncio
 import atexit
 import logging
 import sys
-from typing import BinaryIO
+import time
+from collections.abc import MutableMapping
+from typing import Any, BinaryIO
 
 import orjson
 import structlog
@@ -56,6 +58,24 @@ class BatchedLines:
             pass  # a closed or broken stderr must never break a request
 
 
+class IsoTimestamp:
+    """ISO-8601 UTC timestamps with microseconds; the date part is formatted once a second."""
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._prefix = ""
+
+    def __call__(self, _: Any, __: str, event: MutableMapping[str, Any]
+                 ) -> MutableMapping[str, Any]:
+        now = time.time()
+        second = int(now)
+        if second != self._second:
+            self._second = second
+            self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        event["timestamp"] = f"{self._prefix}.{int((now - second) * 1e6):06d}Z"
+        return event
+
+
 def configure(*, fmt: str = "auto", level: str = "info") -> BatchedLines | None:
     """Configure structlog and stdlib logging once, at start-up; returns the batch to flush."""
     batched = None
@@ -63,7 +83,7 @@ def configure(*, fmt: str = "auto", level: str = "info") -> BatchedLines | None:
     numeric = logging.getLevelNamesMapping()[level.upper()]
     processors: list[structlog.typing.Processor] = [
         structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        IsoTimestamp(),
         structlog.processors.format_exc_info,
     ]
     if as_json:

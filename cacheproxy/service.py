@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgpack
 import structlog
 
-from backends.base import Backend, DistributedLock
+from backends.base import Backend, BackendError, DistributedLock
 from cacheproxy import __version__, codec
 from cacheproxy.breaker import Breaker, StoreUnavailable
 from cacheproxy.canonical import CanonicalRequest, Parsed
@@ -37,6 +38,7 @@ from policies.cache_control import NONE as NO_DIRECTIVES
 from policies.cache_control import RequestDirectives, stored_answer_usable
 
 log = structlog.get_logger("cacheproxy.service")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +61,6 @@ class ServiceOptions:
 
     generation_timeout: float = 300.0
     ttl: float | None = None  # entries of a pinned producer do not go stale by default
-    store_timeout: float = 1.0
     store_retry: float = 2.0  # seconds the breaker stays open after a store failure
     lock_ttl: float = 10.0  # lease of a cross-replica fill; renewed every third of it
 
@@ -89,7 +90,7 @@ class CachingProxy:
         self.counters: dict[str, int] = {"store_errors": 0, "corrupt_records": 0}
         # Decoded records by key, reused while the store returns the same bytes.
         self._decoded: LRU[str, tuple[bytes, codec.Record, bytes]] = LRU(4096)
-        self.breaker = Breaker(timeout=options.store_timeout, cooldown=options.store_retry)
+        self.breaker = Breaker(cooldown=options.store_retry)
         self.fleet = Fleet(store, lock_ttl=options.lock_ttl) \
             if isinstance(store, DistributedLock) else None
 
@@ -141,7 +142,7 @@ class CachingProxy:
     async def _lookup(self, key: str, request: CanonicalRequest) -> codec.Record | None:
         """The valid record under key, None on a miss; StoreUnavailable when the store is not."""
         try:
-            data = await self.breaker.call(lambda: self.store.get(key))
+            data = await self._guarded(self.store.get(key))
         except StoreUnavailable as exc:
             self._store_failed("get", key, exc)
             raise
@@ -167,9 +168,25 @@ class CachingProxy:
         self.counters["corrupt_records"] += 1
         log.warning("record_discarded", key=key[:16], why=why)
         try:
-            await self.breaker.call(lambda: self.store.delete(key))
+            await self._guarded(self.store.delete(key))
         except StoreUnavailable as exc:
             self._store_failed("delete", key, exc)
+
+    async def _guarded(self, call: Awaitable[T]) -> T:
+        """Await a store call through the breaker; StoreUnavailable instead of BackendError."""
+        try:
+            self.breaker.allow()
+        except StoreUnavailable:
+            if isinstance(call, Coroutine):
+                call.close()  # never started: no "never awaited" warning
+            raise
+        try:
+            result = await call
+        except BackendError as exc:
+            self.breaker.failed()
+            raise StoreUnavailable(str(exc)) from exc
+        self.breaker.succeeded()
+        return result
 
     def _store_failed(self, op: str, key: str, exc: StoreUnavailable) -> None:
         self.counters["store_errors"] += 1
@@ -254,7 +271,7 @@ class CachingProxy:
     async def _store(self, key: str, record: codec.Record) -> None:
         data = codec.encode(record)
         try:
-            await self.breaker.call(lambda: self.store.set(key, data, ttl=self._options.ttl))
+            await self._guarded(self.store.set(key, data, ttl=self._options.ttl))
         except StoreUnavailable as exc:
             self._store_failed("set", key, exc)
 

@@ -31,7 +31,6 @@ from cacheproxy.canonical import CanonicalRequest, RunnerDefaults
 from cacheproxy.codec import Output
 from cacheproxy.digests import DigestMemo
 from cacheproxy.errors import GenerationFailed, Overloaded, Unsupported, UpstreamUnavailable
-from cacheproxy.runners.assembler import Assembler
 from cacheproxy.runners.base import Failed, Finished, Generation, failure
 from cacheproxy.runners.mlx import ModelChanging
 from cacheproxy.runners.pool import Member, Pool, Retry, pick
@@ -267,7 +266,7 @@ class UpstreamRunner:
         It reads to the end whoever listens: the fill runs detached from its clients, and
         mlx_lm.server would cancel the generation if this connection went away.
         """
-        pool, reading = self._live_pool(), Reading(generation, Assembler(request.stop))
+        pool, reading = self._live_pool(), Reading(generation, request.stop)
         self.generations += 1
         events = self._live_client().stream(member.url, path(request),
                                             orjson.dumps(request_body(request)))

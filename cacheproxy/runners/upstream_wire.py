@@ -181,42 +181,47 @@ def rejection(status: int, body: bytes) -> ProxyError:
     return UpstreamUnavailable(f"the upstream answered {status}: {message}")
 
 
-@dataclass
 class Reading:
     """One upstream stream as it is relayed: OpenAI stops applied, chunks published."""
 
-    generation: Generation
-    assembler: Assembler
-    chunks: list[Chunk] = field(default_factory=list)
-    deltas: int = 0
-    finish: str = ""
-    usage: tuple[int, int] | None = None
+    def __init__(self, generation: Generation, stops: tuple[str, ...]) -> None:
+        self._generation = generation
+        # Without stop strings every delta is relayed as it is (the common case, per token).
+        self._assembler = Assembler(stops) if stops else None
+        self.chunks: list[Chunk] = []
+        self.deltas = 0
+        self.finish = ""
+        self.usage: tuple[int, int] | None = None
 
     @property
     def stopped(self) -> bool:
         """True once a stop string cut the text."""
-        return self.assembler.stopped
+        return self._assembler is not None and self._assembler.stopped
 
     def take(self, d: Delta) -> bool:
         """Relay one event; True when a stop string ended the answer."""
         if d.text:
             self.deltas += 1
-            self._publish(self.assembler.add(0, d.text, None))
-            if self.assembler.stopped:
-                self.finish = "stop"
-                return True
+            if self._assembler is None:
+                self._publish(Chunk(d.text, ()))
+            else:
+                self._publish(self._assembler.add(0, d.text, None))
+                if self._assembler.stopped:
+                    self.finish = "stop"
+                    return True
         self.finish = d.finish_reason or self.finish
         self.usage = d.usage or self.usage
         return False
 
     def flush(self) -> None:
         """Publish the text held back for a possible stop string."""
-        if not self.assembler.stopped:
-            self._publish(self.assembler.finish(""))
+        if self._assembler is not None and not self._assembler.stopped:
+            self._publish(self._assembler.finish(""))
 
     def _publish(self, chunk: Chunk | None) -> None:
         # Text only: an upstream stream carries no token ids (the Assembler's are placeholders).
         if chunk is not None and chunk.text:
-            text_only = Chunk(chunk.text, ())
-            self.chunks.append(text_only)
-            self.generation.put(text_only)
+            if chunk.tokens:
+                chunk = Chunk(chunk.text, ())
+            self.chunks.append(chunk)
+            self._generation.put(chunk)
