@@ -1,18 +1,23 @@
 """Miss overhead of `cacheproxy serve --upstream` against calling mlx_lm.server directly.
 
-A benchmark, not a test. It starts, on 127.0.0.1 only, a `python -m mlx_lm.server` serving a
-copy of the demo model and `cacheproxy serve --upstream ... --store memory://` in front of it.
-Then, one request at a time, it alternates a request straight to the upstream with the same
-request through the proxy, each with a prompt of its own (so every proxied one is a MISS):
-greedy, seed 0, every sampling parameter explicit, end tokens suppressed so each generates
-exactly --max-tokens tokens. Whole and streamed. It prints a Markdown table (or --json) of
-median and mean latencies and the overhead of the proxy, (proxy - direct) / direct.
+A benchmark, not a test. It starts, on 127.0.0.1 only:
+  * `python -m mlx_lm.server` serving a copy of the demo model;
+  * `cacheproxy serve --upstream ... --store memory://` in front of it;
+  * a bare aiohttp relay on uvloop (this file, `--_relay` mode) that passes requests to the
+    upstream and its answers back, line by line: the cost of one more Python HTTP hop,
+    the floor any proxy in front of mlx_lm.server pays.
+Then, one request at a time, it takes turns: the upstream directly, the relay, the proxy,
+each with a prompt of its own (so every proxied request is a MISS). Direct and relayed
+requests carry the very body the proxy sends upstream (greedy, seed 0, every sampling
+parameter explicit); end tokens are suppressed so each generates exactly --max-tokens
+tokens. Whole and streamed answers. It prints a Markdown table (or --json): medians and
+the overhead over direct, as the median of per-turn differences (which cancels drift from
+other load on the machine).
 
-    python loadtests/bench_upstream.py                    # 60 pairs, 32 tokens
-    python loadtests/bench_upstream.py --requests 200 --max-tokens 64 --json
-    python loadtests/bench_upstream.py --pin     # the proxy does not compete with the engine
+    python loadtests/bench_upstream.py                    # 60 turns, 32 tokens
+    python loadtests/bench_upstream.py --requests 200 --max-tokens 128 --json
 
-Both servers are terminated on exit, on error and on Ctrl-C.
+Every server is terminated on exit, on error and on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -46,6 +51,37 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
+
+
+def serve_relay(port: int, target: str) -> None:
+    """`--_relay` mode: pass every POST to the upstream and relay its answer line by line."""
+    import uvloop
+    from aiohttp import web
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        session: aiohttp.ClientSession = request.app["session"]
+        async with session.post(target + request.path, data=await request.read(),
+                                headers={"Content-Type": "application/json"}) as up:
+            response = web.StreamResponse(status=up.status, headers={
+                "Content-Type": up.headers.get("Content-Type", "application/json")})
+            await response.prepare(request)
+            async for line in up.content:
+                await response.write(line)
+            await response.write_eof()
+            return response
+
+    async def main() -> None:
+        app = web.Application()
+        app["session"] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(force_close=True))
+        app.router.add_post(CHAT, relay)
+        app.router.add_get("/health", lambda _: web.json_response({"status": "ok"}))
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, HOST, port).start()
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
 
 
 @contextmanager
@@ -83,8 +119,8 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
 
 def bodies(i: int, max_tokens: int, no_eos: dict[str, float], stream: bool
            ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Pair i: the body the proxy would send upstream (sent directly), and a client body
-    for the proxy; different prompts of the same shape, so both are fresh."""
+    """Turn i: the body the proxy would send upstream (for direct and relayed requests),
+    and a client body for the proxy."""
     from cacheproxy.canonical import RunnerDefaults, parse
     from cacheproxy.runners.upstream_wire import request_body
     from policies.sampling import SamplingMode
@@ -96,12 +132,12 @@ def bodies(i: int, max_tokens: int, no_eos: dict[str, float], stream: bool
 
     defaults = RunnerDefaults(model_id="bench", aliases=frozenset(), max_tokens=256,
                               max_tokens_cap=4096, context_length=512)
-    direct = request_body(parse(client("fox"), "chat", defaults,
-                                SamplingMode.FORCE_GREEDY).request)
+    upstream = request_body(parse(client("fox"), "chat", defaults,
+                                  SamplingMode.FORCE_GREEDY).request)
     if not stream:
-        direct.update(stream=False)
-        del direct["stream_options"]
-    return direct, client("owl")
+        upstream.update(stream=False)
+        del upstream["stream_options"]
+    return upstream, client("owl")
 
 
 async def timed(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
@@ -115,44 +151,44 @@ async def timed(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
         return time.perf_counter() - started, resp.headers.get("X-Cache", "")
 
 
-async def measure(upstream: str, proxy: str, args: argparse.Namespace,
+async def measure(urls: dict[str, str], args: argparse.Namespace,
                   no_eos: dict[str, float]) -> list[dict[str, Any]]:
+    """Seconds per request of each target, turn by turn, whole then streamed."""
     rows = []
     connector = aiohttp.TCPConnector(force_close=True)  # mlx_lm.server is HTTP/1.0 anyway
     async with aiohttp.ClientSession(connector=connector) as session:
         for stream in (False, True):
-            direct_s, proxy_s = [], []
+            seconds: dict[str, list[float]] = {name: [] for name in urls}
             for i in range(-args.warmup, args.requests):
-                d_body, p_body = bodies(i + 100_000 * stream, args.max_tokens, no_eos, stream)
-                d, _ = await timed(session, upstream, d_body)
-                p, cache = await timed(session, proxy, p_body)
-                if cache != "MISS":
-                    raise RuntimeError(f"expected a MISS, got {cache!r}")
-                if i >= 0:
-                    direct_s.append(d)
-                    proxy_s.append(p)
-            rows.append(row("stream" if stream else "whole", direct_s, proxy_s))
+                for k, (name, url) in enumerate(urls.items()):
+                    upstream_body, client_body = bodies(
+                        (i * len(urls) + k) * 2 + stream, args.max_tokens, no_eos, stream)
+                    took, cache = await timed(
+                        session, url, client_body if name == "proxy" else upstream_body)
+                    if name == "proxy" and cache != "MISS":
+                        raise RuntimeError(f"expected a MISS, got {cache!r}")
+                    if i >= 0:
+                        seconds[name].append(took)
+            rows.append(row("stream" if stream else "whole", seconds))
     return rows
 
 
-def row(mode: str, direct: list[float], proxy: list[float]) -> dict[str, Any]:
-    """Latencies in ms and the overhead of the proxy in percent."""
-    # The median of per-pair differences cancels drift (other load on the machine).
-    paired = statistics.median(p - d for d, p in zip(direct, proxy, strict=True))
-    med_d, med_p = statistics.median(direct), statistics.median(proxy)
-    mean_d, mean_p = statistics.fmean(direct), statistics.fmean(proxy)
-    return {"mode": mode, "n": len(direct),
-            "direct_median_ms": round(med_d * 1000, 2), "proxy_median_ms": round(med_p * 1000, 2),
-            "overhead_median_pct": round((med_p - med_d) / med_d * 100, 2),
-            "direct_mean_ms": round(mean_d * 1000, 2), "proxy_mean_ms": round(mean_p * 1000, 2),
-            "overhead_mean_pct": round((mean_p - mean_d) / mean_d * 100, 2),
-            "overhead_median_ms": round((med_p - med_d) * 1000, 2),
-            "overhead_paired_ms": round(paired * 1000, 2),
-            "overhead_paired_pct": round(paired / med_d * 100, 2)}
+def row(mode: str, seconds: dict[str, list[float]]) -> dict[str, Any]:
+    """Medians in ms; the overhead over direct as the median of per-turn differences."""
+    direct = seconds["direct"]
+    base = statistics.median(direct)
+    out: dict[str, Any] = {"mode": mode, "n": len(direct),
+                           "direct_ms": round(base * 1000, 2)}
+    for name in ("relay", "proxy"):
+        diff = statistics.median(s - d for s, d in zip(seconds[name], direct, strict=True))
+        out[f"{name}_ms"] = round(statistics.median(seconds[name]) * 1000, 2)
+        out[f"{name}_overhead_ms"] = round(diff * 1000, 2)
+        out[f"{name}_overhead_pct"] = round(diff / base * 100, 2)
+    return out
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Start both servers, measure, stop them."""
+    """Start the servers, measure, stop them."""
     from cacheproxy.demo_model import BUNDLED_MODEL, write_copy
 
     eos = json.loads((BUNDLED_MODEL / "config.json").read_text())["eos_token_id"]
@@ -160,52 +196,49 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp, processes() as children, \
             (Path(tmp) / "servers.log").open("wb") as log:
         model = write_copy(Path(tmp) / "model")
-        up_port, proxy_port = free_port(), free_port()
-        upstream, proxy = f"http://{HOST}:{up_port}", f"http://{HOST}:{proxy_port}"
+        ports = {name: free_port() for name in ("direct", "relay", "proxy")}
+        urls = {name: f"http://{HOST}:{port}" for name, port in ports.items()}
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        children.append(subprocess.Popen(
-            [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--host", HOST,
-             "--port", str(up_port)], stdout=log, stderr=subprocess.STDOUT, env=env))
-        wait_ready(upstream + "/health", children[0])
-        children.append(subprocess.Popen(
-            [sys.executable, "-m", "cacheproxy", "serve", "--upstream", upstream,
-             "--model-dir", str(model), "--model-id", "bench", "--store", "memory://",
-             "--port", str(proxy_port), "--no-watch", "--log-level", "warning",
-             "--digest-memo", str(Path(tmp) / "memo.json")],
-            stdout=log, stderr=subprocess.STDOUT, env=env))
-        wait_ready(proxy + "/health", children[1])
-        if args.pin:  # the engine alone on core 0; the proxy and this client on core 1
-            os.sched_setaffinity(children[0].pid, {0})
-            for pid in (children[1].pid, 0):
-                os.sched_setaffinity(pid, {1})
-        return asyncio.run(measure(upstream, proxy, args, no_eos))
+
+        def start(argv: list[str]) -> None:
+            children.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                             env=env))
+            wait_ready(urls[list(urls)[len(children) - 1]] + "/health", children[-1])
+
+        start([sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--host", HOST,
+               "--port", str(ports["direct"])])
+        start([sys.executable, __file__, "--_relay", str(ports["relay"]), urls["direct"]])
+        start([sys.executable, "-m", "cacheproxy", "serve", "--upstream", urls["direct"],
+               "--model-dir", str(model), "--model-id", "bench", "--store", "memory://",
+               "--port", str(ports["proxy"]), "--no-watch", "--log-level", "warning",
+               "--digest-memo", str(Path(tmp) / "memo.json")])
+        return asyncio.run(measure(urls, args, no_eos))
 
 
 def main() -> None:
     """Parse flags, run, print."""
+    if len(sys.argv) == 4 and sys.argv[1] == "--_relay":
+        serve_relay(int(sys.argv[2]), sys.argv[3])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=60, help="pairs per mode")
-    parser.add_argument("--warmup", type=int, default=5, help="pairs per mode not counted")
+    parser.add_argument("--requests", type=int, default=60, help="turns per mode")
+    parser.add_argument("--warmup", type=int, default=5, help="turns per mode not counted")
     parser.add_argument("--max-tokens", dest="max_tokens", type=int, default=32)
-    parser.add_argument("--pin", action="store_true",
-                        help="upstream on core 0, proxy and client on core 1 (Linux)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = run(args)
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    pinned = ", upstream pinned to core 0, proxy and client to core 1" if args.pin else ""
-    print(f"{args.requests} sequential misses per mode, {args.max_tokens} tokens each"
-          f"{pinned}\n")
-    print("| mode | direct median ms | proxy median ms | overhead (medians) | "
-          "overhead (median of pairs) | overhead (means) |")
+    print(f"{args.requests} sequential requests per target and mode, "
+          f"{args.max_tokens} tokens each; overhead = median of per-turn differences\n")
+    print("| mode | direct ms | bare relay ms | relay overhead | cacheproxy MISS ms | "
+          "cacheproxy overhead |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['direct_median_ms']} | {r['proxy_median_ms']} | "
-              f"{r['overhead_median_pct']} % ({r['overhead_median_ms']} ms) | "
-              f"{r['overhead_paired_pct']} % ({r['overhead_paired_ms']} ms) | "
-              f"{r['overhead_mean_pct']} % |")
+        print(f"| {r['mode']} | {r['direct_ms']} | {r['relay_ms']} | "
+              f"{r['relay_overhead_pct']} % ({r['relay_overhead_ms']} ms) | {r['proxy_ms']} | "
+              f"{r['proxy_overhead_pct']} % ({r['proxy_overhead_ms']} ms) |")
 
 
 if __name__ == "__main__":

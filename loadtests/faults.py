@@ -1,0 +1,507 @@
+"""Fault injection: what cacheproxy does when its store, itself, its runner or its clients fail.
+
+An experiment, not a test. Everything runs on 127.0.0.1 with private processes, each scenario
+with its own servers, bounded in time:
+
+  redis-restart    redis-server (append-only file) stopped and restarted under load:
+                   expect 0 failed requests, BYPASS while it is down, no entry lost
+  proxy-sigkill    `cacheproxy serve --store disk://` SIGKILLed during a write burst, then
+                   restarted on the same directory: expect every acknowledged entry present
+                   and 0 corrupt entries served
+  runner-killed    the upstream mlx_lm.server SIGKILLed mid-generation: expect clean 502s,
+                   no partial entries, recovery once it is back
+  disconnects      a storm of streaming clients hanging up after the first chunk: expect
+                   every started fill completed and stored
+  hostile          >= 10,000 malformed or hostile requests generated with hypothesis, plus
+                   truncated chunked bodies and invalid UTF-8 over raw sockets: expect no
+                   5xx and the server alive and answering afterwards
+  soak             steady load for --soak-seconds: resident memory and open file descriptors
+                   at the end vs after warm-up (/proc/PID/status VmRSS, /proc/PID/fd)
+
+    python loadtests/faults.py                           # all, 600 s soak
+    python loadtests/faults.py --soak-seconds 120 --only soak,hostile
+    python loadtests/faults.py --smoke --out /tmp/f      # tiny sizes, a few seconds each
+
+Prints a Markdown table and writes faults.png (soak RSS / fds over time) and .json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import hostile
+from common import (
+    PATH,
+    RESULTS,
+    Procs,
+    Server,
+    children,
+    demo_model,
+    figure,
+    restart,
+    run,
+    runtime_line,
+    save,
+    start_proxy,
+    start_redis,
+    start_upstream,
+    table,
+)
+
+EOS = json.loads((Path(__file__).resolve().parents[1] / "cacheproxy/data/demo-model/config.json")
+                 .read_text())["eos_token_id"]
+NO_EOS = {str(t): -100 for t in EOS}  # generations run to max_tokens
+
+
+@dataclass
+class Outcome:
+    """One scenario's counts; `lost`/`corrupt` count entries, the rest requests."""
+
+    scenario: str
+    sent: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    lost: int = 0
+    corrupt: int = 0
+    expected: str = ""
+    notes: str = ""
+    caches: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    ok: bool = True
+
+
+def chat(content: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "demo", "messages": [{"role": "user", "content": content}],
+            "max_tokens": 16, **extra}
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
+               ) -> tuple[int, str, bytes]:
+    """(status, X-Cache, body); status 0 on a connection error or timeout."""
+    try:
+        async with session.post(url + PATH, json=body) as resp:
+            data = await resp.read()
+            return resp.status, resp.headers.get("X-Cache", "-").split(";")[0], data
+    except (aiohttp.ClientError, TimeoutError):
+        return 0, "ERROR", b""
+
+
+def content(data: bytes) -> str | None:
+    try:
+        return str(json.loads(data)["choices"][0]["message"]["content"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+async def closed_loop(url: str, bodies: Callable[[int], dict[str, Any]], conns: int,
+                      seconds: float, events: list[tuple[float, Callable[[], None]]] = ()
+                      ) -> tuple[Counter[int], Counter[str]]:
+    """conns workers sending back to back for `seconds`; events fire (in a thread) at offsets."""
+    statuses: Counter[int] = Counter()
+    caches: Counter[str] = Counter()
+    stop_at = time.monotonic() + seconds
+    counter = iter(range(10**9))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+        async def worker() -> None:
+            while time.monotonic() < stop_at:
+                status, cache, _ = await post(session, url, bodies(next(counter)))
+                statuses[status] += 1
+                caches[cache] += 1
+
+        async def fire() -> None:
+            start = time.monotonic()
+            for offset, action in events:
+                await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
+                await asyncio.to_thread(action)
+
+        await asyncio.gather(fire(), *(worker() for _ in range(conns)))
+    return statuses, caches
+
+
+def in_process_proxy(procs: Procs, work: Path, *args: str, port: int | None = None) -> Server:
+    return start_proxy(procs, work, "--model-id", "demo", "--max-tokens-cap", "512", *args,
+                       port=port)
+
+
+# -- scenarios ------------------------------------------------------------------------------
+
+
+def redis_restart(work: Path, args: argparse.Namespace) -> Outcome:
+    out = Outcome("redis-restart", expected="0 failed; BYPASS while down; 0 lost")
+    with children() as procs:
+        redis_dir = work / "redis"
+        redis_dir.mkdir()
+        rs = start_redis(procs, redis_dir, extra=("--appendonly", "yes", "--appendfsync",
+                                                  "always"))
+        proxy = in_process_proxy(procs, work, "--store", rs.url + "/0", "--store-retry", "1")
+        prompts = [f"What does the fox eat? ({i})" for i in range(args.pool)]
+
+        async def prime() -> list[tuple[int, str, bytes]]:
+            async with aiohttp.ClientSession() as s:
+                return [await post(s, proxy.url, chat(p)) for p in prompts]
+
+        primed = asyncio.run(prime())
+        third = args.fault_seconds / 3
+        state: dict[str, Server] = {"redis": rs}
+
+        def stop() -> None:
+            state["redis"].kill(signal.SIGTERM)
+
+        def start() -> None:
+            state["redis"] = restart(procs, state["redis"])
+
+        statuses, caches = asyncio.run(closed_loop(
+            proxy.url, lambda i: chat(prompts[i % len(prompts)]), 8, args.fault_seconds,
+            [(third, stop), (2 * third, start)]))
+        time.sleep(1.5)  # past --store-retry: the breaker closes again
+
+        async def check() -> list[tuple[int, str, bytes]]:
+            async with aiohttp.ClientSession() as s:
+                return [await post(s, proxy.url, chat(p)) for p in prompts]
+
+        after = asyncio.run(check())
+    out.sent = sum(statuses.values())
+    out.succeeded = statuses[200]
+    out.failed = out.sent - out.succeeded
+    out.caches = dict(caches)
+    out.lost = sum(1 for a in after if a[1] != "HIT")
+    out.corrupt = sum(1 for a, p in zip(after, primed, strict=True)
+                      if a[1] == "HIT" and content(a[2]) != content(p[2]))
+    out.notes = (f"redis down from {third:.0f} s to {2 * third:.0f} s of {args.fault_seconds:g}"
+                 f" s (SIGTERM, append-only file); {len(prompts)} primed entries re-read after")
+    out.ok = out.failed == 0 and out.lost == 0 and out.corrupt == 0 and caches["BYPASS"] > 0
+    return out
+
+
+def proxy_sigkill(work: Path, args: argparse.Namespace) -> Outcome:
+    out = Outcome("proxy-sigkill", expected="every acknowledged entry present; 0 corrupt")
+    store = f"disk://{work / 'disk'}"
+    acked: dict[str, str] = {}
+    statuses: Counter[int] = Counter()
+    with children() as procs:
+        proxy = in_process_proxy(procs, work, "--store", store)
+
+        async def burst() -> None:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+                counter = iter(range(10**9))
+
+                async def worker() -> None:
+                    while True:
+                        prompt = f"Tell me about the owl. ({next(counter)})"
+                        status, _, data = await post(s, proxy.url, chat(prompt))
+                        statuses[status] += 1
+                        if status == 200:
+                            acked[prompt] = content(data) or ""
+                        elif status == 0:
+                            return  # the proxy is gone
+
+                await asyncio.gather(*(worker() for _ in range(16)))
+
+        async def kill_later() -> None:
+            await asyncio.sleep(args.fault_seconds / 2)
+            proxy.kill(signal.SIGKILL)
+
+        async def both() -> None:
+            await asyncio.gather(burst(), kill_later())
+
+        asyncio.run(both())
+        port = int(proxy.url.rsplit(":")[-1])
+        proxy = in_process_proxy(procs, work, "--store", store, port=port)
+
+        async def check() -> list[tuple[str, int, str, bytes]]:
+            async with aiohttp.ClientSession() as s:
+                return [(p, *await post(s, proxy.url, chat(p))) for p in acked]
+
+        after = asyncio.run(check())
+    out.sent = sum(statuses.values())
+    out.succeeded = statuses[200]
+    out.failed = out.sent - out.succeeded
+    out.lost = sum(1 for a in after if a[2] != "HIT")
+    out.corrupt = sum(1 for a in after if a[1] != 200 or (a[2] == "HIT" and content(a[3])
+                                                           != acked[a[0]]))
+    out.caches = dict(Counter(a[2] for a in after))
+    out.notes = (f"SIGKILL after {args.fault_seconds / 2:g} s of a 16-client burst of new "
+                 f"prompts; failed = in flight at the kill; {len(acked)} acknowledged entries "
+                 "re-read after the restart")
+    out.ok = out.lost == 0 and out.corrupt == 0
+    return out
+
+
+def runner_killed(work: Path, args: argparse.Namespace) -> Outcome:
+    out = Outcome("runner-killed", expected="clean 502s; 0 partial entries; recovery")
+    long = {"max_tokens": args.long_tokens, "logit_bias": NO_EOS}
+    with children() as procs:
+        model_dir = demo_model(work)
+        up = start_upstream(procs, work, model_dir)
+        proxy = start_proxy(procs, work, "--upstream", up.url, "--model-dir", str(model_dir),
+                            "--model-id", "demo", "--store", "memory://",
+                            "--upstream-timeout", "5", "--max-tokens-cap", "4096")
+        prompts = [f"Once upon a time, the owl ({i})" for i in range(args.victims)]
+
+        async def victims() -> list[tuple[int, str, bytes]]:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+
+                async def killer() -> None:
+                    await asyncio.sleep(0.5)
+                    up.kill(signal.SIGKILL)
+
+                *answers, _ = await asyncio.gather(
+                    *(post(s, proxy.url, chat(p, **long)) for p in prompts), killer())
+                return answers
+
+        answers = asyncio.run(victims())
+        t_restart = time.monotonic()
+        restart(procs, up)
+
+        async def recover() -> tuple[float, list[tuple[int, str, bytes]]]:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    status, _, _ = await post(s, proxy.url, chat("What does the cat eat?"))
+                    if status == 200:
+                        break
+                    await asyncio.sleep(0.2)
+                took = time.monotonic() - t_restart
+                again = [await post(s, proxy.url, chat(p, max_tokens=8, logit_bias=NO_EOS))
+                         for p in prompts]
+                partial = [await post(s, proxy.url, chat(p, **long)) for p in prompts[:3]]
+                return took, again + partial
+
+        recovered_s, after = asyncio.run(recover())
+    statuses = Counter(a[0] for a in answers)
+    out.sent = len(answers)
+    out.succeeded = statuses[200]
+    out.failed = out.sent - out.succeeded
+    bad_errors = sum(1 for a in answers if a[0] not in (200, 502, 504)
+                     or (a[0] != 200 and b'"error"' not in a[2]))
+    # The long prompts must generate again (MISS), never be served from a partial entry.
+    out.lost = 0
+    out.corrupt = sum(1 for a in after[len(prompts):] if a[1] == "HIT")
+    out.caches = dict(Counter(a[1] for a in after))
+    out.extra = {"victim_statuses": dict(statuses), "non_clean_errors": bad_errors,
+                 "recovery_s": round(recovered_s, 2)}
+    out.notes = (f"{len(prompts)} concurrent {args.long_tokens}-token generations, upstream "
+                 f"SIGKILLed after 0.5 s; statuses {dict(statuses)}; first 200 "
+                 f"{recovered_s:.1f} s after the restart began; corrupt = partial entry served")
+    out.ok = bad_errors == 0 and out.corrupt == 0 and all(a[0] == 200 for a in after)
+    return out
+
+
+def disconnects(work: Path, args: argparse.Namespace) -> Outcome:
+    out = Outcome("disconnects", expected="every started fill completed and stored")
+    prompts = [f"Once upon a time, the fox ({i})" for i in range(args.storm // 2)]
+    body = {"max_tokens": args.storm_tokens, "logit_bias": NO_EOS, "stream": True}
+    with children() as procs:
+        proxy = in_process_proxy(procs, work, "--store", "memory://", "--queue-size", "1024")
+
+        async def storm() -> Counter[str]:
+            started: Counter[str] = Counter()
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+
+                async def client(i: int) -> None:  # two clients per prompt: a MISS + a follower
+                    try:
+                        async with s.post(proxy.url + PATH,
+                                          json=chat(prompts[i % len(prompts)], **body)) as r:
+                            await r.content.readany()
+                            started[r.headers.get("X-Cache", "-").split(";")[0]] += 1
+                    except (aiohttp.ClientError, TimeoutError):
+                        started["ERROR"] += 1
+                    # leaving the block without reading on closes the connection mid-stream
+
+                await asyncio.gather(*(client(i) for i in range(args.storm)))
+            return started
+
+        started = asyncio.run(storm())
+
+        async def check() -> list[tuple[int, str, bytes]]:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+                deadline = time.monotonic() + 120
+                answers: list[tuple[int, str, bytes]] = []
+                for p in prompts:  # wait out fills still running (COALESCED), then want HIT
+                    while True:
+                        answer = await post(s, proxy.url, chat(p, **(body | {"stream": False})))
+                        if answer[1] != "COALESCED" or time.monotonic() > deadline:
+                            break
+                    answers.append(answer)
+                return answers
+
+        after = asyncio.run(check())
+    out.sent = args.storm
+    out.succeeded = sum(v for k, v in started.items() if k != "ERROR")
+    out.failed = started["ERROR"]
+    out.lost = sum(1 for a in after if a[1] not in ("HIT", "COALESCED"))
+    out.corrupt = sum(1 for a in after if a[0] != 200)
+    out.caches = dict(Counter(a[1] for a in after))
+    out.extra = {"first_chunk_x_cache": dict(started)}
+    out.notes = (f"{args.storm} streaming clients on {len(prompts)} prompts "
+                 f"({args.storm_tokens} tokens each) disconnect after the first chunk; lost = "
+                 "prompt not stored when asked again")
+    out.ok = out.lost == 0 and out.corrupt == 0
+    return out
+
+
+def hostile_requests(work: Path, args: argparse.Namespace) -> Outcome:
+    out = Outcome("hostile", expected="0 responses 5xx; alive afterwards")
+    with children() as procs:
+        proxy = in_process_proxy(procs, work, "--store", "memory://", "--max-tokens-cap", "8",
+                                 "--default-max-tokens", "8", "--max-body-bytes", "65536")
+        port = int(proxy.url.rsplit(":")[-1])
+        counts = hostile.run_all(port, args.hostile, deadline=time.monotonic() + 600)
+        alive = proxy.proc.poll() is None
+        health = hostile.status_of(port, "GET", "/health", b"")
+        valid = json.dumps(chat("What does the fox eat?", max_tokens=4)).encode()
+        works = hostile.status_of(port, "POST", PATH, valid)
+    out.sent = counts.total
+    out.succeeded = counts.total - counts.server_errors - counts.dropped
+    out.failed = counts.server_errors + counts.dropped
+    out.caches = {str(k): v for k, v in sorted(counts.statuses.items())}
+    out.extra = {"kinds": dict(counts.kinds), "dropped_by_kind": dict(counts.dropped_kinds),
+                 "examples_5xx": counts.examples[:5],
+                 "health_after": health, "chat_after": works, "alive": alive}
+    out.notes = (f"statuses {out.caches}; failed = 5xx ({counts.server_errors}) + no response "
+                 f"({counts.dropped}: {dict(counts.dropped_kinds)}); afterwards /health "
+                 f"{health}, chat {works}")
+    out.ok = counts.server_errors == 0 and alive and health == 200 and works == 200
+    return out
+
+
+def proc_usage(pid: int) -> tuple[float, int]:
+    """(VmRSS MiB, open file descriptors) of a process."""
+    rss = 0.0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss = int(line.split()[1]) / 1024
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def soak(work: Path, args: argparse.Namespace) -> Outcome:
+    out = Outcome("soak", expected="no steady RSS or fd growth after warm-up")
+    seconds = args.soak_seconds
+    warm = max(2.0, min(60.0, seconds / 5))
+    with children() as procs:
+        proxy = in_process_proxy(procs, work, "--store", "memory://")
+        samples: list[tuple[float, float, int]] = []
+        prompts = [f"Where does the bear live? ({i})" for i in range(args.pool)]
+
+        def body(i: int) -> dict[str, Any]:  # hits on a fixed pool, some streamed
+            return chat(prompts[i % len(prompts)], stream=i % 4 == 0)
+
+        t0 = time.monotonic()
+        events = [(t, lambda: samples.append((time.monotonic() - t0,
+                                              *proc_usage(proxy.pid))))
+                  for t in [warm] + [warm + k * (seconds - warm) / 20 for k in range(1, 21)]]
+        events[-1] = (seconds - 0.2, events[-1][1])
+        statuses, caches = asyncio.run(closed_loop(proxy.url, body, 8, seconds, events))
+    (_, rss_w, fd_w), (_, rss_e, fd_e) = samples[0], samples[-1]
+    out.sent = sum(statuses.values())
+    out.succeeded = statuses[200]
+    out.failed = out.sent - out.succeeded
+    out.caches = dict(caches)
+    out.extra = {"samples": samples, "rss_warm_mib": round(rss_w, 1), "rss_end_mib": round(
+        rss_e, 1), "fds_warm": fd_w, "fds_end": fd_e, "warmup_s": warm}
+    growth = rss_e - rss_w
+    out.notes = (f"{seconds:g} s at 8 connections over {len(prompts)} prompts (1 in 4 streamed);"
+                 f" VmRSS {rss_w:.1f} MiB after {warm:g} s warm-up -> {rss_e:.1f} MiB at the "
+                 f"end ({growth:+.1f} MiB, {growth / rss_w:+.1%}); fds {fd_w} -> {fd_e}")
+    out.ok = out.failed == 0 and fd_e <= fd_w + 4 and growth <= max(16.0, 0.1 * rss_w)
+    return out
+
+
+SCENARIOS: dict[str, Callable[[Path, argparse.Namespace], Outcome]] = {
+    "redis-restart": redis_restart, "proxy-sigkill": proxy_sigkill,
+    "runner-killed": runner_killed, "disconnects": disconnects, "hostile": hostile_requests,
+    "soak": soak,
+}
+
+
+def markdown(outcomes: list[Outcome]) -> str:
+    rows = [[o.scenario, o.sent, o.succeeded, o.failed, o.lost, o.corrupt,
+             "yes" if o.ok else "**no**", o.expected, o.notes] for o in outcomes]
+    return table(["scenario", "sent", "succeeded", "failed", "entries lost", "entries corrupt",
+                  "as expected", "expected", "notes"], rows, "l______ll")
+
+
+def plot(outcomes: list[Outcome], args: argparse.Namespace) -> Path | None:
+    soaked = next((o for o in outcomes if o.scenario == "soak"), None)
+    if soaked is None:
+        return None
+    fig, axes = figure(1, 1, (8, 4))
+    ax = axes[0][0]
+    ts = [s[0] for s in soaked.extra["samples"]]
+    ax.plot(ts, [s[1] for s in soaked.extra["samples"]], "o-", label="VmRSS MiB")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("VmRSS MiB")
+    ax.set_ylim(bottom=0)
+    ax2 = ax.twinx()
+    ax2.plot(ts, [s[2] for s in soaked.extra["samples"]], "s--", color="tab:orange",
+             label="open fds")
+    ax2.set_ylabel("open file descriptors")
+    ax2.set_ylim(bottom=0)
+    ax.set_title(f"cacheproxy soak: {args.soak_seconds:g} s at 8 connections")
+    ax.legend(loc="lower left", fontsize=8)
+    ax2.legend(loc="lower right", fontsize=8)
+    return save(fig, args.out / "faults.png")
+
+
+def main(args: argparse.Namespace) -> int:
+    print(f"runtime: {runtime_line()}", file=sys.stderr)
+    outcomes = []
+    for name in args.only:
+        t0 = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix=f"lt_{name}_") as tmp:
+            o = SCENARIOS[name](Path(tmp), args)
+        o.extra["seconds"] = round(time.monotonic() - t0, 1)
+        print(f"  {name}: ok={o.ok} sent {o.sent} succeeded {o.succeeded} failed {o.failed} "
+              f"lost {o.lost} corrupt {o.corrupt} ({o.extra['seconds']} s) {o.notes}",
+              file=sys.stderr, flush=True)
+        outcomes.append(o)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "faults.json").write_text(json.dumps(
+        {"runtime": runtime_line(), "outcomes": [asdict(o) for o in outcomes]}, indent=1))
+    plot(outcomes, args)
+    print(markdown(outcomes))
+    return 0 if all(o.ok for o in outcomes) else 2
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default=",".join(SCENARIOS), help="comma-separated scenarios")
+    p.add_argument("--soak-seconds", type=float, default=600.0)
+    p.add_argument("--fault-seconds", type=float, default=9.0,
+                   help="length of the redis-restart load and proxy-sigkill burst window")
+    p.add_argument("--hostile", type=int, default=10_000, help="hypothesis-generated requests")
+    p.add_argument("--pool", type=int, default=50, help="prompts in the hit pool")
+    p.add_argument("--victims", type=int, default=8)
+    p.add_argument("--long-tokens", type=int, default=480,
+                   help="tokens per killed generation (the demo model's context is 512)")
+    p.add_argument("--storm", type=int, default=100, help="disconnecting streaming clients")
+    p.add_argument("--storm-tokens", type=int, default=64)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds each")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.soak_seconds, args.fault_seconds, args.hostile, args.pool = 4.0, 3.0, 150, 10
+        args.victims, args.storm, args.storm_tokens = 3, 12, 32
+    args.only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = set(args.only) - set(SCENARIOS)
+    if unknown:
+        p.error(f"unknown scenarios {sorted(unknown)}; choose from {', '.join(SCENARIOS)}")
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(run(main, parse_args(), "faults"))
