@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-scope", dest="cache_scope", choices=["shared", "per-key"])
     serve.add_argument("--max-in-flight", dest="max_in_flight", type=int,
                        help="requests served at once before 503")
+    serve.add_argument("--max-connections", dest="max_connections", type=int,
+                       help="open client connections before new ones get 503")
     serve.add_argument("--store-retry", dest="store_retry", type=float,
                        help="seconds to answer without the store after a failure")
     serve.add_argument("--lock-ttl", dest="lock_ttl", type=float,
@@ -173,11 +175,14 @@ async def _serve(settings: Settings, batched: BatchedLines | None) -> None:
 
     from cacheproxy import logs
     from cacheproxy.app import create_app
+    from cacheproxy.connections import limit_connections
 
     flusher = asyncio.create_task(logs.flush_periodically(batched)) if batched else None
 
     runner = web.AppRunner(create_app(settings), access_log=None)
     await runner.setup()
+    if runner.server is not None:
+        limit_connections(runner.server, settings.max_connections)
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:

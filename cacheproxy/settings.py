@@ -50,6 +50,7 @@ class Settings:
     cache_scope: str = "shared"
     admin_token: str = ""
     max_in_flight: int = 1024
+    max_connections: int = 1000
     store_retry: float = 2.0
     lock_ttl: float = 10.0
     upstream: tuple[str, ...] = ()  # mlx_lm.server URLs: generate there instead of in-process
@@ -121,6 +122,7 @@ def validate(settings: Settings) -> None:
         "ttl": settings.ttl is None or settings.ttl > 0,
         "cache_scope": settings.cache_scope in ("shared", "per-key"),
         "max_in_flight": settings.max_in_flight >= 1,
+        "max_connections": settings.max_connections >= 1,
         "store_retry": settings.store_retry > 0,
         "lock_ttl": settings.lock_ttl > 0,
         "upstream_timeout": settings.upstream_timeout > 0,

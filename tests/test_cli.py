@@ -194,3 +194,23 @@ def test_one_json_log_line_per_request_without_prompts(tmp_path: Path) -> None:
         assert e["request_id"] == "req-42" and e["status"] == 200
         assert e["level"] == "info" and e["total_ms"] >= 0 and len(e["key"]) == 12
     assert next(e for e in requests if e["path"] == "/nope")["status"] == 404
+
+
+def test_connections_past_the_bound_get_503(tmp_path: Path) -> None:
+    import socket
+
+    with serving("--store", "memory://", "--max-connections", "2") as url:
+        port = int(url.rsplit(":", 1)[1])
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        try:
+            time.sleep(0.2)
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as third:
+                answer = third.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 503")
+            assert b'"code":"overloaded"' in answer and b"Retry-After: 1" in answer
+        finally:
+            for s in held:
+                s.close()
+        time.sleep(0.2)
+        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+            assert resp.status == 200  # the held connections are gone: admitted again
