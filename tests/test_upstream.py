@@ -189,7 +189,10 @@ async def test_upstream_is_sent_every_parameter_greedy_and_seeded(
         await _post(session, proxy.url + CHAT, _chat("What does the cow say?", top_p=0.5))
         await _post(session, proxy.url + CHAT,
                     _chat("What does the cat say?", temperature=0.8, seed=7, top_k=5))
-    greedy, seeded = recorder.generations
+        # Unseeded sampling is a BYPASS the client wants random: no seed is pinned on it.
+        await _post(session, proxy.url + CHAT, _chat("What does the pig say?", temperature=0.8))
+    greedy, seeded, unseeded = recorder.generations
+    assert "seed" not in unseeded and unseeded["temperature"] == 0.8
     assert greedy == {
         "model": "default_model", "stream": True, "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": "What does the cow say?"}],
@@ -339,7 +342,10 @@ async def test_upstream_errors_map_to_http(
         front.reject, front.stall = None, 2.0
         status, _, data = await _post(session, proxy.url + CHAT, _chat("Two?"))
         assert (status, data["error"]["code"]) == (504, "upstream_timeout")
-        front.stall = 0.0
+        front.stall, front.stall_midway = 0.0, 2.0
+        status, _, data = await _post(session, proxy.url + CHAT, _chat("Two and a half?"))
+        assert (status, data["error"]["code"]) == (504, "upstream_timeout")
+        front.stall_midway = 0.0
         status, _, data = await _post(session, proxy.url + CHAT, _chat("Three?", logprobs=True))
         assert (status, data["error"]["param"]) == (400, "logprobs")
         assert (await _post(session, proxy.url + CHAT, _chat("Two?")))[:2] == (200, "MISS")

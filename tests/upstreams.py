@@ -68,8 +68,9 @@ class Relay:
     """An HTTP relay in front of an upstream that records every POST body.
 
     `fingerprint` rewrites the system_fingerprint of every answer (an upstream of another
-    engine version, without installing one); `stall` delays answers; `reject` answers with
-    (status, body) instead of forwarding. Fakes, each used where a real mlx_lm.server cannot
+    engine version, without installing one); `stall` delays answers, `stall_midway` pauses
+    a stream after its first event; `reject` answers with (status, body) instead of
+    forwarding. Fakes, each used where a real mlx_lm.server cannot
     be made to behave that way.
     """
 
@@ -77,6 +78,7 @@ class Relay:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     fingerprint: str | None = None
     stall: float = 0.0
+    stall_midway: float = 0.0
     reject: tuple[int, dict[str, Any]] | None = None
     url: str = ""
 
@@ -103,8 +105,12 @@ class Relay:
             response = web.StreamResponse(status=upstream.status, headers={
                 "Content-Type": upstream.headers.get("Content-Type", "application/json")})
             await response.prepare(request)
+            paused = False
             async for line in upstream.content:
                 await response.write(self._rewritten(line))
+                if self.stall_midway and not paused and line.startswith(b"data: {"):
+                    paused = True
+                    await asyncio.sleep(self.stall_midway)
             await response.write_eof()
             return response
 

@@ -7,6 +7,7 @@ broken off (say the upstream died), and is an error: nothing partial may be stor
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -39,10 +40,41 @@ async def _translated(url: str) -> AsyncIterator[None]:
         raise UpstreamUnavailable(f"the upstream {url} broke off: {exc!r}") from None
 
 
-async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+class _Silence:
+    """Closes a response that stays silent for `limit` seconds (detected within 1.25 x).
+
+    It looks four times per limit instead of re-arming a timer per chunk, as aiohttp's
+    sock_read does: that re-arming was a third of the relay's CPU per token.
+    """
+
+    def __init__(self, response: aiohttp.ClientResponse, limit: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._response, self._limit = response, limit
+        self.heard = self._loop.time()
+        self.expired = False
+        self._handle = self._loop.call_later(limit / 4, self._check)
+
+    def _check(self) -> None:
+        if self._loop.time() - self.heard < self._limit:
+            self._handle = self._loop.call_later(self._limit / 4, self._check)
+            return
+        self.expired = True
+        self._response.close()
+
+    def hear(self) -> None:
+        """Bytes arrived."""
+        self.heard = self._loop.time()
+
+    def cancel(self) -> None:
+        """Stop watching."""
+        self._handle.cancel()
+
+
+async def _lines(content: aiohttp.StreamReader, silence: _Silence) -> AsyncIterator[bytes]:
     # Split by hand: StreamReader.readline refuses lines over its buffer limit.
     buffer = b""
     async for data in content.iter_any():
+        silence.hear()
         buffer += data
         *lines, buffer = buffer.split(b"\n")
         for line in lines:
@@ -55,24 +87,37 @@ class UpstreamClient:
     """HTTP to mlx_lm.server: HTTP/1.0, one connection per request, so none is pooled."""
 
     def __init__(self, *, timeout: float) -> None:
+        # No sock_read: a stream's silence is watched by _Silence, the headers by a timeout.
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(force_close=True, limit=0),
-            timeout=aiohttp.ClientTimeout(total=None, connect=timeout, sock_read=timeout),
+            timeout=aiohttp.ClientTimeout(total=None, connect=timeout),
         )
+        self._timeout = timeout
         self._probe_timeout = aiohttp.ClientTimeout(total=timeout)
 
     async def stream(self, url: str, path: str, body: bytes) -> AsyncGenerator[Delta, None]:
         """The events of a streamed completion; raises unless the stream ends in [DONE]."""
-        async with _translated(url), self._session.post(url + path, data=body,
-                                                         headers=_JSON) as response:
-            if response.status != 200:
-                raise rejection(response.status, await response.read())
-            async for line in _lines(response.content):
-                item = parse_line(line)
-                if item is DONE:
-                    return
-                if isinstance(item, dict):
-                    yield delta(item)
+        async with _translated(url):
+            async with asyncio.timeout(self._timeout):
+                response = await self._session.post(url + path, data=body, headers=_JSON)
+            silence = _Silence(response, self._timeout)
+            try:
+                if response.status != 200:
+                    raise rejection(response.status, await response.read())
+                async for line in _lines(response.content, silence):
+                    item = parse_line(line)
+                    if item is DONE:
+                        return
+                    if isinstance(item, dict):
+                        yield delta(item)
+            except aiohttp.ClientError:
+                if not silence.expired:
+                    raise
+            finally:
+                silence.cancel()
+                response.close()
+            if silence.expired:
+                raise UpstreamTimeout(f"the upstream {url} went silent for {self._timeout:g} s")
         raise UpstreamUnavailable(f"the upstream {url} closed the stream before [DONE]")
 
     async def complete(self, url: str, path: str, body: bytes) -> dict[str, Any]:

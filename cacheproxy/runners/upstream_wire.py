@@ -26,6 +26,7 @@ from cacheproxy.codec import Chunk
 from cacheproxy.errors import ProxyError, UpstreamUnavailable
 from cacheproxy.runners.assembler import Assembler
 from cacheproxy.runners.base import Generation
+from policies.sampling import Sampling
 
 SERVED_MODEL = "default_model"
 PINNED_SEED = 0
@@ -56,6 +57,14 @@ def parse_system_fingerprint(raw: str, *, device_scope: bool) -> EngineIdentity:
     return EngineIdentity(parts[0], parts[1], parts[2] if device_scope else "", raw)
 
 
+def _seed(s: Sampling) -> dict[str, int]:
+    """Greedy: the pinned seed (served alone); seeded: its seed; unseeded sampling (a BYPASS
+    the client wants random): no seed, so the answer stays a random draw."""
+    if s.seed is not None:
+        return {"seed": s.seed % 2**64}
+    return {"seed": PINNED_SEED} if s.is_greedy else {}
+
+
 def request_body(request: CanonicalRequest) -> dict[str, Any]:
     """The streamed request for a canonical one: every sampling parameter explicit."""
     s = request.sampling
@@ -68,7 +77,6 @@ def request_body(request: CanonicalRequest) -> dict[str, Any]:
         "top_p": s.top_p,
         "top_k": s.top_k,
         "min_p": s.min_p,
-        "seed": PINNED_SEED if s.seed is None else s.seed % 2**64,
         "repetition_penalty": request.repetition_penalty,
         "repetition_context_size": PENALTY_CONTEXT,
         "presence_penalty": request.presence_penalty,
@@ -78,6 +86,7 @@ def request_body(request: CanonicalRequest) -> dict[str, Any]:
         "xtc_probability": 0.0,
         "xtc_threshold": 0.0,
         "logit_bias": {str(token): bias for token, bias in request.logit_bias},
+        **_seed(s),
         "logprobs": False,
         "top_logprobs": 0,
         "stop": [],  # applied by the proxy on the text: see the module docstring
