@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from urllib.parse import SplitResult, parse_qsl, quote, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qsl, quote, unquote, urlsplit, urlunsplit
 
 import platformdirs
 
@@ -41,6 +41,7 @@ __all__ = [
     "TieredBackend",
     "default_disk_url",
     "open_backend",
+    "redact_url",
 ]
 
 
@@ -65,6 +66,23 @@ def open_backend(url: str, *, clock: Clock = time.time) -> Backend:
         " disk:///absolute/dir?max_bytes=N, redis://host:port/db, rediss://…,"
         " unix:///path/redis.sock, redis+cluster://host:port or tiered+<one of those>"
     )
+
+
+def redact_url(url: str) -> str:
+    """A store URL fit for logs: a password (in the authority or the query) becomes ***."""
+    parts = urlsplit(url)
+    secret_query = any(name.lower() in ("password", "pass") for name, _ in parse_qsl(parts.query))
+    if parts.password is None and not secret_query:
+        return url  # untouched: urlunsplit would also drop an empty authority ("disk:///p")
+    netloc = parts.netloc
+    if parts.password is not None:
+        user, _, host = netloc.rpartition("@")
+        netloc = f"{user.partition(':')[0]}:***@{host}"
+    query = "&".join(
+        f"{name}=***" if name.lower() in ("password", "pass") else f"{name}={value}"
+        for name, value in parse_qsl(parts.query, keep_blank_values=True)
+    )
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def default_disk_url() -> str:

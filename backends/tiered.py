@@ -23,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable
+from typing import cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from backends.base import (
     Backend,
     BackendError,
     Clock,
+    DistributedLock,
     NamespacePurge,
     NamespaceStats,
     Scan,
@@ -139,6 +141,23 @@ class TieredBackend:
                 raise result
 
 
+class LockingTieredBackend(TieredBackend):
+    """A tiered store over an L2 that leases (Redis): leases go straight to L2, so replicas
+    on one Redis keep their cross-replica single-flight behind their L1s."""
+
+    async def try_lock(self, name: str, owner: str, ttl: float) -> bool:
+        """L2's lease."""
+        return await cast(DistributedLock, self._l2).try_lock(name, owner, ttl)
+
+    async def renew_lock(self, name: str, owner: str, ttl: float) -> bool:
+        """L2's lease renewal."""
+        return await cast(DistributedLock, self._l2).renew_lock(name, owner, ttl)
+
+    async def unlock(self, name: str, owner: str) -> None:
+        """L2's lease release."""
+        await cast(DistributedLock, self._l2).unlock(name, owner)
+
+
 def _lacks(backend: Backend, capability: type) -> BackendError:
     return BackendError(f"{backend!r} has no {capability.__name__} capability")
 
@@ -162,7 +181,9 @@ def open_tiered(url: str, *, clock: Clock, open_l2: Callable[[str], Backend]) ->
         l2 = open_l2(urlunsplit(inner._replace(query=rest)))
     except ValueError as exc:
         raise ValueError(f"backend URL {url!r}: {exc}") from None
-    return TieredBackend(MemoryBackend(max_bytes=int(max_bytes), clock=clock), l2, l1_ttl=l1_ttl)
+    l1 = MemoryBackend(max_bytes=int(max_bytes), clock=clock)
+    kind = LockingTieredBackend if isinstance(l2, DistributedLock) else TieredBackend
+    return kind(l1, l2, l1_ttl=l1_ttl)
 
 
 def _number(url: str, name: str, raw: str | None, default: float) -> float:

@@ -10,7 +10,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from backends import open_backend
+from backends import open_backend, redact_url
 from backends.base import Backend
 from cacheproxy import admin, handlers
 from cacheproxy.admin import METRICS
@@ -127,7 +127,8 @@ def _lifecycle(
                                  gate=invalidator.wait_ready)
             app[PROXY] = proxy
             log.info("serving", model=settings.served_model_id,
-                     fingerprint=the_runner.fingerprint().digest, store=settings.store)
+                     fingerprint=the_runner.fingerprint().digest,
+                     store=redact_url(settings.store))
             yield
         finally:
             if invalidator is not None:

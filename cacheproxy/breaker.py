@@ -47,6 +47,10 @@ class Breaker:
         """The call worked: close the breaker."""
         self._open_until, self._probing = 0.0, False
 
+    def abandoned(self) -> None:
+        """The call ended without a verdict (cancelled): let another call probe."""
+        self._probing = False
+
     def failed(self) -> None:
         """The call failed: open the breaker for the cooldown."""
         self.trips += 1

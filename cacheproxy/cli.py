@@ -173,6 +173,7 @@ def serve(settings: Settings) -> int:
 async def _serve(settings: Settings, batched: BatchedLines | None) -> None:
     from aiohttp import web
 
+    from backends import redact_url
     from cacheproxy import logs
     from cacheproxy.app import create_app
     from cacheproxy.connections import limit_connections
@@ -190,7 +191,8 @@ async def _serve(settings: Settings, batched: BatchedLines | None) -> None:
               "can reach this address can generate and read cached answers "
               "(set --api-key or CACHEPROXY_API_KEYS)", file=sys.stderr, flush=True)
     print(f"cacheproxy serving {settings.served_model_id} on http://{settings.host}:"
-          f"{settings.port}/v1 (store {settings.store})", file=sys.stderr, flush=True)
+          f"{settings.port}/v1 (store {redact_url(settings.store)})", file=sys.stderr,
+          flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -17,6 +17,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from backends.base import BackendError
 from cacheproxy.errors import (
     GenerationFailed,
     MethodNotAllowed,
@@ -24,6 +25,7 @@ from cacheproxy.errors import (
     PayloadTooLarge,
     ProxyError,
     RouteNotFound,
+    StoreDown,
 )
 from cacheproxy.state import CACHE_LOG, SETTINGS
 
@@ -78,6 +80,8 @@ def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
             response = await handler(request)
         except ProxyError as exc:
             response = _error_response(exc)
+        except BackendError as exc:  # a store call outside the cache path (admin API)
+            response = _error_response(StoreDown(f"the store failed: {exc}"))
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise

@@ -107,6 +107,14 @@ class Overloaded(ProxyError):
         return {"Retry-After": str(max(1, round(self.retry_after)))}
 
 
+class StoreDown(ProxyError):
+    """A store operation the request needs (admin API) failed."""
+
+    status = 503
+    type = "server_error"
+    code = "store_unavailable"
+
+
 class GenerationTimeout(ProxyError):
     """A generation ran past the per-request timeout."""
 

@@ -22,6 +22,8 @@ from cacheproxy.digests import DigestMemo, hash_files
 
 FINGERPRINT_SCHEMA = 1
 WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf", ".bin")
+# generation_config.json can set eos_token_id, which decides where an answer ends.
+CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -117,7 +119,7 @@ def chat_template_text(model_dir: Path) -> str:
 
 def watched_files(model_dir: Path) -> list[Path]:
     """Every file whose change changes the fingerprint."""
-    names = ["config.json", "chat_template.jinja", *TOKENIZER_FILES]
+    names = [*CONFIG_FILES, "chat_template.jinja", *TOKENIZER_FILES]
     files = [model_dir / n for n in names if (model_dir / n).is_file()]
     return sorted(files + weight_files(model_dir))
 
@@ -146,7 +148,8 @@ def compute(
         model_path=str(model_dir.resolve()),
         weights_digest=hash_files(weight_files(model_dir), memo),
         quantization=quantization(config),
-        config_digest=hash_files([config_path]),
+        config_digest=hash_files([model_dir / n for n in CONFIG_FILES
+                                  if (model_dir / n).is_file()]),
         tokenizer_digest=hash_files(tokenizer_paths),
         chat_template_digest=xxhash.xxh3_128_hexdigest(template.encode()),
         adapter_digest=hash_files([p for p in adapters if p.is_file()]) if adapters else "",

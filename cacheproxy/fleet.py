@@ -80,7 +80,12 @@ class Fleet:
                 if await self._store.try_lock(name, self.owner, self._ttl):
                     lease = Lease(self._store, name, self.owner, self._ttl)
                     # The previous owner may have stored it and let go just before we asked.
-                    if (found := await lookup()) is not None:
+                    try:
+                        found = await lookup()
+                    except BaseException:
+                        await lease.release()
+                        raise
+                    if found is not None:
                         await lease.release()
                         return found
                     return lease

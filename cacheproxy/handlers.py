@@ -12,6 +12,7 @@ from cacheproxy import render
 from cacheproxy.canonical import Endpoint, Parsed
 from cacheproxy.codec import Chunk, Output
 from cacheproxy.errors import ProxyError
+from cacheproxy.flights import Flight
 from cacheproxy.hot import CREATED_MARK, ID_MARK
 from cacheproxy.service import Answer
 from cacheproxy.state import CACHE_LOG, HOT, IDENTITY, INVALIDATOR, PROXY, SETTINGS, STARTED
@@ -142,6 +143,15 @@ async def _stream(request: web.Request, answer: Answer, frame: render.Frame,
         raise RuntimeError("an answer without a record or a flight")
     response = web.StreamResponse(headers={**headers, "Content-Type": SSE})
     await response.prepare(request)
+    try:
+        await _relay(response, flight, frame)
+    except ConnectionError:
+        # The client left: its reading stops here, the shared fill goes on and is stored.
+        request[CACHE_LOG]["client"] = "gone"
+    return response
+
+
+async def _relay(response: web.StreamResponse, flight: Flight, frame: render.Frame) -> None:
     await response.write(render.sse(render.stream_start(frame)))
     offset = 0
     try:
@@ -149,7 +159,7 @@ async def _stream(request: web.Request, answer: Answer, frame: render.Frame,
             offset = await _send_chunk(response, frame, chunk, offset)
     except ProxyError as exc:
         await response.write(render.sse([exc.body()]) + render.DONE)
-        return response
+        return
     if flight.output is None:
         raise RuntimeError("stream ended without output")
     tail = render.sse(render.stream_end(frame, flight.output))
@@ -157,7 +167,6 @@ async def _stream(request: web.Request, answer: Answer, frame: render.Frame,
         tail += f": x-cache-revalidated={flight.revalidated}\n\n".encode()
     await response.write(tail + render.DONE)
     await response.write_eof()
-    return response
 
 
 async def _send_chunk(response: web.StreamResponse, frame: render.Frame, chunk: Chunk,

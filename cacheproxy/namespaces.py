@@ -79,7 +79,10 @@ class Registry:
             known.first_seen if known else now, now, "current")
         superseded = []
         for other, ns in namespaces.items():
-            if other != digest and ns.model_id == current.model_id and ns.state == "current":
+            same_model = ns.model_id == current.model_id
+            # Per-device namespaces (--device-scope) of other machines are not superseded.
+            same_device = ns.fields.get("device", "") == current.device
+            if other != digest and same_model and same_device and ns.state == "current":
                 namespaces[other] = replace(ns, state="superseded", superseded_at=now)
                 superseded.append(other)
         await self.save(namespaces)

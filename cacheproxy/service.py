@@ -91,7 +91,7 @@ class CachingProxy:
         # Decoded records by key, reused while the store returns the same bytes.
         self._decoded: LRU[str, tuple[bytes, codec.Record, bytes]] = LRU(4096)
         self.breaker = Breaker(cooldown=options.store_retry)
-        self.fleet = Fleet(store, lock_ttl=options.lock_ttl) \
+        self.fleet = Fleet(store, lock_ttl=options.lock_ttl, wait=options.generation_timeout) \
             if isinstance(store, DistributedLock) else None
 
     async def answer(
@@ -103,7 +103,10 @@ class CachingProxy:
         fingerprint = self.runner.fingerprint().digest
         key = make_key(request, fingerprint, scope=scope)
         decision = parsed.sampling.decision
+        never_generate = directives.only_if_cached
         if not decision.cacheable:
+            if never_generate:
+                raise NotCached(f"this request is never cached ({decision.reason})")
             fill = self._fill(request, fingerprint, store=False, recheck=False)
             flight, _ = self.flights.join(key, fill, shared=False)
             return Answer("BYPASS", decision.reason, key, fingerprint, flight=flight,
@@ -111,9 +114,11 @@ class CachingProxy:
         try:
             record = await self._lookup(key, request)
         except StoreUnavailable:
-            # Keep answering without the store: generate (still one fill per key here).
+            if never_generate:
+                raise NotCached("the store is unavailable and only-if-cached was asked") from None
+            # Keep answering without the store; unshared: a follower would believe it stored.
             fill = self._fill(request, fingerprint, store=False, recheck=False)
-            flight, _ = self.flights.join(key, fill)
+            flight, _ = self.flights.join(key, fill, shared=False)
             return Answer("BYPASS", "store-unavailable", key, fingerprint, flight=flight,
                           stores=False)
         if record is not None:
@@ -121,6 +126,9 @@ class CachingProxy:
             fresh = stored_answer_usable(directives, age)
             if fresh.usable:
                 return Answer("HIT", decision.reason, key, fingerprint, record=record, age=age)
+            if never_generate:
+                raise NotCached(f"the stored answer is not usable ({fresh.reason}) and "
+                                "only-if-cached was asked")
             # Not usable for this request (no-cache, max-age): generate again and replace.
             fill = self._fill(request, fingerprint, store=not directives.no_store,
                               recheck=False, previous=record)
@@ -185,6 +193,9 @@ class CachingProxy:
         except BackendError as exc:
             self.breaker.failed()
             raise StoreUnavailable(str(exc)) from exc
+        except BaseException:
+            self.breaker.abandoned()  # cancelled mid-call: neither verdict, free the probe
+            raise
         self.breaker.succeeded()
         return result
 
@@ -203,7 +214,8 @@ class CachingProxy:
                 _replay(flight, record)
                 return
             lease = None
-            if store and self.fleet is not None:
+            # A regeneration (previous set) must not be answered by the record it replaces.
+            if store and self.fleet is not None and previous is None:
                 got = await self.fleet.lead_or_follow(
                     flight.key, lambda: self._recheck(flight.key, request))
                 if isinstance(got, codec.Record):  # another replica generated it

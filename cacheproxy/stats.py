@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
+from backends import redact_url
 from backends.base import BackendError, StoreStats
 from cacheproxy.state import INVALIDATOR, PROXY, SETTINGS, STARTED
 
@@ -46,7 +47,7 @@ class RequestStats:
 async def snapshot(app: web.Application) -> dict[str, Any]:
     """Everything an operator looks at, as plain data (no prompts, no keys)."""
     proxy, stats = app[PROXY], app[REQUEST_STATS]
-    store: dict[str, Any] = {"url": _redacted(app[SETTINGS].store)}
+    store: dict[str, Any] = {"url": redact_url(app[SETTINGS].store)}
     if isinstance(proxy.store, StoreStats):
         try:
             s = await proxy.store.stats()
@@ -70,18 +71,6 @@ async def snapshot(app: web.Application) -> dict[str, Any]:
         "fills_in_progress": len(proxy.flights),
         "counters": {**proxy.counters, **app[INVALIDATOR].counters},
     }
-
-
-def _redacted(url: str) -> str:
-    """A store URL without its password."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password:
-        host = parts.hostname or ""
-        netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return url
 
 
 REQUEST_STATS = web.AppKey("request_stats", RequestStats)

@@ -1,0 +1,101 @@
+"""Edge cases found in review: directives on a leasing store, only-if-cached, redaction,
+device-scoped namespaces, generation_config.json, a client leaving mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from pathlib import Path
+
+import aiohttp
+
+from backends import open_backend, redact_url
+from backends.base import DistributedLock
+from backends.memory import MemoryBackend
+from cacheproxy import fingerprint as fp
+from cacheproxy.demo_model import BUNDLED_MODEL, write_copy
+from cacheproxy.namespaces import Registry
+from cacheproxy.state import PROXY
+from policies.sampling import SamplingMode
+from tests.conftest import ProxyFactory
+from tests.test_operability import _metrics, _post
+from tests.test_proxy_e2e import NO_EOS
+
+Q = {"messages": [{"role": "user", "content": "What does the duck eat?"}]}
+
+
+async def test_no_cache_regenerates_on_a_leasing_store(
+    make_proxy: ProxyFactory, redis_url: str
+) -> None:
+    proxy = await make_proxy(store=redis_url)
+    assert isinstance(proxy.store, DistributedLock)
+    _, h, _ = await _post(proxy, Q)
+    assert h["X-Cache"] == "MISS"
+    before = proxy.generations
+    _, h, _ = await _post(proxy, Q, {"Cache-Control": "no-cache"})
+    assert h["X-Cache"] == "MISS; reason=no-cache" and h["X-Cache-Revalidated"] == "match"
+    assert proxy.generations == before + 1  # really generated, not replayed from the store
+
+
+async def test_only_if_cached_never_generates(make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy(sampling=SamplingMode.SEEDED)
+    await _post(proxy, Q)
+    before = proxy.generations
+    for headers, body in [({"Cache-Control": "only-if-cached, max-age=0"}, Q),
+                          ({"Cache-Control": "only-if-cached, no-cache"}, Q),
+                          ({"Cache-Control": "only-if-cached"}, {**Q, "temperature": 0.9})]:
+        status, _, answer = await _post(proxy, body, headers)
+        assert status == 504 and answer["error"]["code"] == "not_cached"
+    assert proxy.generations == before
+
+
+def test_tiered_over_redis_leases_through_l2(redis_url: str) -> None:
+    assert isinstance(open_backend("tiered+" + redis_url), DistributedLock)
+    assert not isinstance(open_backend("tiered+memory://"), DistributedLock)
+
+
+def test_store_urls_are_redacted_for_logs() -> None:
+    assert redact_url("redis://:s3cret@h:6379/0") == "redis://:***@h:6379/0"
+    assert redact_url("rediss://u:pw@h/0?password=x&socket_timeout=1") == \
+        "rediss://u:***@h/0?password=***&socket_timeout=1"
+    assert redact_url("disk:///tmp/store") == "disk:///tmp/store"
+
+
+async def test_device_scoped_namespaces_do_not_supersede_each_other() -> None:
+    registry = Registry(MemoryBackend())
+    base = fp.compute("demo", BUNDLED_MODEL)
+    mac, linux = (dataclasses.replace(base, device=d) for d in ("Darwin-arm64", "Linux-x86"))
+    assert await registry.observe(mac) == []
+    assert await registry.observe(linux) == []  # another machine, not an upgrade
+    upgraded = dataclasses.replace(linux, engine_version="9.9")
+    assert await registry.observe(upgraded) == [linux.digest]
+
+
+def test_generation_config_is_part_of_the_fingerprint(tmp_path: Path) -> None:
+    model = write_copy(tmp_path / "m")
+    before = fp.compute("demo", model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [0]}))
+    after = fp.compute("demo", model)
+    assert after.config_digest != before.config_digest and after.digest != before.digest
+    assert model / "generation_config.json" in fp.watched_files(model)
+
+
+async def test_a_client_leaving_mid_stream_is_not_a_server_error(
+    make_proxy: ProxyFactory,
+) -> None:
+    proxy = await make_proxy()
+    body = {"prompt": "The horse", "max_tokens": 300, "stream": True, "logit_bias": NO_EOS}
+    async with aiohttp.ClientSession() as session, \
+            session.post(proxy.url + "/v1/completions", json=body) as resp:
+        await resp.content.readline()
+    for _ in range(100):  # the shared fill goes on after the client left; let it finish
+        if len(proxy.app[PROXY].flights) == 0:
+            break
+        await asyncio.sleep(0.05)
+    _, h, _ = await _post(proxy, {**body, "stream": False}, path="/v1/completions")
+    assert h["X-Cache"] == "HIT"
+    m = await _metrics(proxy)
+    errors = sum(v for (name, labels), v in m.items()
+                 if name == "cacheproxy_requests_total" and ("status", "500") in labels)
+    assert errors == 0
