@@ -51,8 +51,9 @@ async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         await answer.flight.started()  # errors before the first token are real HTTP errors
         if answer.flight.from_store:  # stored meanwhile, here or by another replica
             status = "COALESCED" if answer.flight.remote else "HIT"
+            age = max(0.0, time.time() - (answer.flight.created_at or time.time()))
             answer = Answer(status, answer.reason, answer.key, answer.fingerprint,
-                            flight=answer.flight)
+                            flight=answer.flight, age=age)
     info = request[CACHE_LOG] = {"cache": answer.status, "reason": answer.reason,
                                  "key": answer.key[33:45]}
     headers = _cache_headers(answer, parsed, settings.ttl)

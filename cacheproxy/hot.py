@@ -27,29 +27,39 @@ MAX_MEMO_BODY = 16 << 10  # bigger bodies are parsed every time
 
 
 class LRU(Generic[K, V]):
-    """A dict bounded by entry count, least recently used out first."""
+    """A dict bounded by entry count and by the sizes its callers report, LRU out first."""
 
-    def __init__(self, max_entries: int) -> None:
-        self._data: OrderedDict[K, V] = OrderedDict()
+    def __init__(self, max_entries: int, *, max_bytes: int = 64 << 20) -> None:
+        self._data: OrderedDict[K, tuple[V, int]] = OrderedDict()
         self._max = max_entries
+        self._max_bytes = max_bytes
+        self._bytes = 0
 
     def get(self, key: K) -> V | None:
         """The value, marked as recently used."""
-        value = self._data.get(key)
-        if value is not None:
-            self._data.move_to_end(key)
-        return value
-
-    def put(self, key: K, value: V) -> None:
-        """Insert or replace, evicting the least recently used entry past the bound."""
-        self._data[key] = value
+        item = self._data.get(key)
+        if item is None:
+            return None
         self._data.move_to_end(key)
-        if len(self._data) > self._max:
-            self._data.popitem(last=False)
+        return item[0]
+
+    def put(self, key: K, value: V, *, size: int = 0) -> None:
+        """Insert or replace, evicting least recently used entries past either bound."""
+        old = self._data.pop(key, None)
+        if old is not None:
+            self._bytes -= old[1]
+        if size > self._max_bytes:
+            return  # would evict everything else: not worth remembering
+        self._data[key] = (value, size)
+        self._bytes += size
+        while len(self._data) > self._max or self._bytes > self._max_bytes:
+            _, (_, dropped) = self._data.popitem(last=False)
+            self._bytes -= dropped
 
     def clear(self) -> None:
         """Forget everything."""
         self._data.clear()
+        self._bytes = 0
 
 
 def decode_body(raw: bytes) -> object:
@@ -79,7 +89,7 @@ class ParseMemo:
             return known[2]
         parsed = parse(decode_body(raw), endpoint, defaults, mode, max_tokens_cap=self._cap)
         if len(raw) <= MAX_MEMO_BODY:
-            self._memo.put(memo_key, (defaults, mode, parsed))
+            self._memo.put(memo_key, (defaults, mode, parsed), size=2 * len(raw))
         return parsed
 
 
@@ -114,7 +124,7 @@ class HitTemplates:
         known = self._memo.get(key)
         if known is None or known[0] is not source:
             known = (source, render())
-            self._memo.put(key, known)
+            self._memo.put(key, known, size=len(known[1]))
         # Inside JSON strings quotes are escaped, so these byte runs only match the fields.
         return known[1].replace(_ID_BYTES, f'"id":"{response_id}"'.encode()).replace(
             _CREATED_BYTES, f'"created":{created}'.encode())

@@ -166,7 +166,8 @@ class CachingProxy:
                 await self._discard(key, f"corrupt record: {exc}")
                 return None
             packed = msgpack.packb(record.request, use_bin_type=True)
-            self._decoded.put(key, (data, record, packed))
+            # A decoded record takes a few times its encoded size in memory.
+            self._decoded.put(key, (data, record, packed), size=4 * len(data))
         if packed != request.packed:
             await self._discard(key, "record holds another request")
             return None
@@ -294,6 +295,7 @@ class CachingProxy:
 
 def _replay(flight: Flight, record: codec.Record) -> None:
     """Publish a stored answer on a flight, chunk by chunk, as it was generated."""
+    flight.created_at = float(record.provenance.get("created_at", 0.0))
     for chunk in record.output.chunks:
         flight.publish(chunk)
     flight.finish(record.output, from_store=True)

@@ -99,3 +99,15 @@ async def test_a_client_leaving_mid_stream_is_not_a_server_error(
     errors = sum(v for (name, labels), v in m.items()
                  if name == "cacheproxy_requests_total" and ("status", "500") in labels)
     assert errors == 0
+
+
+def test_hot_memos_are_bounded_by_bytes_too() -> None:
+    from cacheproxy.hot import LRU
+
+    lru: LRU[str, bytes] = LRU(100, max_bytes=1000)
+    for i in range(10):
+        lru.put(f"k{i}", b"x", size=300)
+    assert [k for k in (f"k{i}" for i in range(10)) if lru.get(k) is not None] == \
+        ["k7", "k8", "k9"]
+    lru.put("huge", b"x", size=5000)  # bigger than the bound: not kept, nothing evicted
+    assert lru.get("huge") is None and lru.get("k9") is not None
