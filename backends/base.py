@@ -79,6 +79,17 @@ class DistributedLock(Protocol):
         """Release the lease if `owner` still holds it."""
 
 
+@runtime_checkable
+class Notify(Protocol):
+    """Optional capability: a wake-up call between replicas (Redis pub/sub)."""
+
+    async def notify(self, channel: str) -> None:
+        """Wake whoever waits on channel."""
+
+    async def wait_notified(self, channel: str, within: float) -> bool:
+        """Wait up to `within` seconds for a notify on channel; False when none came."""
+
+
 PURGE_BATCH = 500
 
 

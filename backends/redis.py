@@ -114,6 +114,33 @@ class RedisBackend:
         async with self._guard:
             await self._client.eval(_UNLOCK, 1, name, owner)
 
+    async def notify(self, channel: str) -> None:
+        """PUBLISH on channel (a cluster has no pub/sub here: waiters poll instead)."""
+        if isinstance(self._client, RedisCluster):
+            return
+        async with self._guard:
+            await self._client.publish(channel, b"1")
+
+    async def wait_notified(self, channel: str, within: float) -> bool:
+        """SUBSCRIBE and wait for one message, at most `within` seconds."""
+        if isinstance(self._client, RedisCluster):
+            await asyncio.sleep(within)
+            return False
+        pubsub = self._client.pubsub()
+        try:
+            async with self._guard:
+                await pubsub.subscribe(channel)
+            deadline = asyncio.get_running_loop().time() + within
+            while (left := deadline - asyncio.get_running_loop().time()) > 0:
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=left)
+                if message is not None:
+                    return True
+            return False
+        except _FAILURES as exc:
+            raise BackendError(f"{self!r}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+
     async def purge_namespace(self, namespace: str) -> int:
         """SCAN "<namespace>/*" on every primary and UNLINK in batches; return the count."""
         removed = 0

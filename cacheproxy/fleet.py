@@ -2,8 +2,9 @@
 
 Inside one replica, `flights` already runs one fill per key. Across replicas, the fill first
 takes a lease on the key in the store (SET NX PX, renewed while generating). A replica that
-finds the lease taken polls for the value and serves it (COALESCED); if the owner dies, its
-lease expires and a waiter takes over and generates.
+finds the lease taken waits for the owner's release (pub/sub where the store has it, polling
+as the fallback) and serves the stored value (COALESCED); if the owner dies, its lease
+expires and a waiter takes over and generates.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import TypeVar
 
 import structlog
 
-from backends.base import BackendError, DistributedLock
+from backends.base import BackendError, DistributedLock, Notify
 
 log = structlog.get_logger("cacheproxy.fleet")
 R = TypeVar("R")
@@ -26,6 +27,11 @@ R = TypeVar("R")
 def lock_name(key: str) -> str:
     """Leases live outside every namespace, so scans and purges never see them."""
     return f"_lock/{key}"
+
+
+def channel_name(lock: str) -> str:
+    """The pub/sub channel a lease's release is announced on."""
+    return f"_released/{lock}"
 
 
 class Lease:
@@ -46,12 +52,14 @@ class Lease:
                 log.warning("lease_renew_failed", lock=self._name, error=str(exc))
 
     async def release(self) -> None:
-        """Stop renewing and give the lease back."""
+        """Stop renewing, give the lease back, and wake the replicas waiting on it."""
         self._renewer.cancel()
         await asyncio.gather(self._renewer, return_exceptions=True)
         try:
             await self._store.unlock(self._name, self._owner)
-        except BackendError as exc:  # it expires by itself
+            if isinstance(self._store, Notify):
+                await self._store.notify(channel_name(self._name))
+        except BackendError as exc:  # it expires by itself; waiters poll
             log.warning("unlock_failed", lock=self._name, error=str(exc))
 
 
@@ -95,5 +103,18 @@ class Fleet:
             found = await lookup()
             if found is not None:
                 return found
-            await asyncio.sleep(self._poll)  # the owner is generating (or died: lease expires)
+            await self._await_release(name)  # the owner is generating (or died: its lease expires)
         return None
+
+    async def _await_release(self, name: str) -> None:
+        """Until the owner announces its release (pub/sub), or one poll interval without it.
+
+        A release announced between our lookup and our subscription is missed: the longer
+        poll interval under pub/sub bounds that case."""
+        if not isinstance(self._store, Notify):
+            await asyncio.sleep(self._poll)
+            return
+        try:
+            await self._store.wait_notified(channel_name(name), within=self._poll * 10)
+        except BackendError:
+            await asyncio.sleep(self._poll)

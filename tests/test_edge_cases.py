@@ -111,3 +111,28 @@ def test_hot_memos_are_bounded_by_bytes_too() -> None:
         ["k7", "k8", "k9"]
     lru.put("huge", b"x", size=5000)  # bigger than the bound: not kept, nothing evicted
     assert lru.get("huge") is None and lru.get("k9") is not None
+
+
+async def test_a_waiting_replica_is_woken_by_the_release(redis_url: str) -> None:
+    from cacheproxy.fleet import Fleet, Lease
+
+    owner_store, waiter_store = open_backend(redis_url), open_backend(redis_url)
+    assert isinstance(owner_store, DistributedLock) and isinstance(waiter_store, DistributedLock)
+    owner = Fleet(owner_store, lock_ttl=5)
+    waiter = Fleet(waiter_store, lock_ttl=5, poll=2.0)  # polling alone would take >= 2 s
+    stored: list[str] = []
+
+    async def lookup() -> str | None:
+        return stored[0] if stored else None
+
+    lease = await owner.lead_or_follow("ns/key", lookup)
+    assert isinstance(lease, Lease)
+    follower = asyncio.create_task(waiter.lead_or_follow("ns/key", lookup))
+    await asyncio.sleep(0.3)  # the follower is subscribed and waiting
+    started = asyncio.get_running_loop().time()
+    stored.append("the answer")
+    await lease.release()  # unlock + PUBLISH
+    assert await follower == "the answer"
+    assert asyncio.get_running_loop().time() - started < 1.0  # woken, not polled
+    await owner_store.aclose()
+    await waiter_store.aclose()
