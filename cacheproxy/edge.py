@@ -64,6 +64,8 @@ def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
     """Wrap a route handler: request id, guard (auth), in-flight bound, error mapping,
     then one access log line and the metrics of the finished request."""
 
+    access = log.bind()  # a concrete logger once configured: no lazy proxy per request
+
     @wraps(handler)
     async def wrapped(request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
@@ -96,8 +98,9 @@ def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
             response.headers["X-Request-Id"] = request_id
         seconds = time.monotonic() - started
         info = request.get(CACHE_LOG, {})
-        log.info("request", request_id=request_id, method=request.method, path=request.path,
-                 status=response.status, total_ms=round(seconds * 1000, 2), **info)
+        access.info("request", request_id=request_id, method=request.method,
+                    path=request.path, status=response.status,
+                    total_ms=round(seconds * 1000, 2), **info)
         if observe is not None:
             observe(endpoint or request.path, response.status, seconds, info)
         return response

@@ -42,7 +42,9 @@ class Metrics:
         self.invalidation = Gauge("cacheproxy_invalidation_events",
                                   "Reloads, fingerprint changes and purges", ["event"],
                                   registry=r)
+        # labels() is a dict lookup plus validation: keep the children of every label set seen.
         self._children: dict[tuple[str, str, str, int], Any] = {}
+        self._latency_children: dict[str, Any] = {}
 
     def observe(self, endpoint: str, status: int, seconds: float, info: dict[str, Any]) -> None:
         """One finished request (info is the request's cache log fields)."""
@@ -52,7 +54,10 @@ class Metrics:
         if child is None:
             child = self._children[labels] = self.requests.labels(*labels)
         child.inc()
-        self.latency.labels(cache).observe(seconds)
+        latency = self._latency_children.get(cache)
+        if latency is None:
+            latency = self._latency_children[cache] = self.latency.labels(cache)
+        latency.observe(seconds)
         if cache == "HIT":
             self.saved_tokens.inc(info.get("tokens", 0))
             self.saved_seconds.inc(info.get("runner_ms", 0.0) / 1000)
