@@ -257,7 +257,11 @@ class CachingProxy:
             same = previous.output.token_ids == output.token_ids and \
                 previous.output.text == output.text
             flight.revalidated = "match" if same else "mismatch"
-        unchanged = self.runner.fingerprint().digest == fingerprint
+        # Stored only under the producer it was keyed for: the model that ran it (a reload
+        # between the key and the lane) and the one serving now (a change meanwhile).
+        ran_on = generation.produced_by
+        unchanged = self.runner.fingerprint().digest == fingerprint and \
+            ran_on in (None, fingerprint)
         if store and unchanged and output.finish_reason in ("stop", "length"):
             record = self._record(request, output, flight.generation_ms)
             await self._store(flight.key, record)

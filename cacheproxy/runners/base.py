@@ -40,6 +40,8 @@ class Generation:
         self._loop = asyncio.get_running_loop()
         self.output: Output | None = None
         self.cancelled = False
+        # The fingerprint digest of the model that actually ran it, when the runner knows.
+        self.produced_by: str | None = None
 
     def push(self, event: Event) -> None:
         """Deliver an event from any thread."""

@@ -191,6 +191,7 @@ class MlxRunner:
         from mlx_lm.models.cache import make_prompt_cache
 
         loaded = self._current()  # fixed for this generation: a reload waits for the lane
+        generation.produced_by = loaded.fingerprint.digest
         model, tokenizer = loaded.model, loaded.tokenizer
         prompt = self._prompt_ids(tokenizer, request)
         context = loaded.defaults.context_length
