@@ -16,6 +16,7 @@ from backends.memory import MemoryBackend
 from cacheproxy import fingerprint as fp
 from cacheproxy.demo_model import BUNDLED_MODEL, write_copy
 from cacheproxy.namespaces import Registry
+from cacheproxy.runners.mlx import MlxRunner
 from cacheproxy.state import PROXY
 from policies.sampling import SamplingMode
 from tests.conftest import ProxyFactory
@@ -136,3 +137,65 @@ async def test_a_waiting_replica_is_woken_by_the_release(redis_url: str) -> None
     assert asyncio.get_running_loop().time() - started < 1.0  # woken, not polled
     await owner_store.aclose()
     await waiter_store.aclose()
+
+
+def test_breaker_probe_is_freed_when_the_probing_call_is_abandoned() -> None:
+    from cacheproxy.breaker import Breaker, StoreUnavailable
+
+    now = [0.0]
+    breaker = Breaker(cooldown=1.0, clock=lambda: now[0])
+    breaker.failed()
+    assert breaker.state == "open"
+    now[0] = 2.0
+    breaker.allow()  # half-open: this call probes
+    try:
+        breaker.allow()  # a second call while the probe runs is refused
+        raise AssertionError("a second probe was let through")
+    except StoreUnavailable:
+        pass
+    breaker.abandoned()  # the probe was cancelled: neither verdict
+    breaker.allow()  # so another call may probe
+    breaker.succeeded()
+    assert breaker.state == "closed"
+
+
+async def test_a_follower_stops_waiting_after_the_generation_timeout(redis_url: str) -> None:
+    from cacheproxy.fleet import Fleet, Lease
+
+    store = open_backend(redis_url)
+    assert isinstance(store, DistributedLock)
+    owner = Fleet(store, lock_ttl=30)
+    follower = Fleet(store, lock_ttl=30, poll=0.02, wait=0.3)
+
+    async def nothing() -> None:
+        return None
+
+    lease = await owner.lead_or_follow("ns/slow", nothing)
+    assert isinstance(lease, Lease)
+    started = asyncio.get_running_loop().time()
+    assert await follower.lead_or_follow("ns/slow", nothing) is None  # generate without it
+    assert asyncio.get_running_loop().time() - started < 2.0
+    await lease.release()
+    await store.aclose()
+
+
+async def test_admin_store_errors_are_503(runner: MlxRunner) -> None:
+    from aiohttp.test_utils import TestServer
+
+    from cacheproxy.app import create_app
+    from cacheproxy.settings import Settings
+    from tests.conftest import free_port
+    from tests.test_faults import BrokenStore
+
+    app = create_app(Settings(store="memory://", admin_token="t"), runner=runner,
+                     store=BrokenStore())
+    server = TestServer(app, host="127.0.0.1", port=free_port())
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as session, session.get(
+                f"http://127.0.0.1:{server.port}/admin/entries/ns/k",
+                headers={"Authorization": "Bearer t"}) as resp:
+            assert resp.status == 503
+            assert (await resp.json())["error"]["code"] == "store_unavailable"
+    finally:
+        await server.close()
