@@ -26,7 +26,6 @@ class Breaker:
         self._clock = clock
         self._open_until = 0.0
         self._probing = False
-        self.trips = 0
 
     @property
     def state(self) -> str:
@@ -53,5 +52,4 @@ class Breaker:
 
     def failed(self) -> None:
         """The call failed: open the breaker for the cooldown."""
-        self.trips += 1
         self._open_until, self._probing = self._clock() + self._cooldown, False

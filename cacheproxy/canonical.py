@@ -8,7 +8,7 @@ runner generates from. Delivery options (stream, include_usage, n) live beside i
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgpack
@@ -249,8 +249,3 @@ def parse(
         requested_model=model,
     )
     return Parsed(request, delivery, outcome)
-
-
-def with_sampling(request: CanonicalRequest, sampling: Sampling) -> CanonicalRequest:
-    """The same request under other sampling parameters."""
-    return replace(request, sampling=sampling)

@@ -56,11 +56,6 @@ class LRU(Generic[K, V]):
             _, (_, dropped) = self._data.popitem(last=False)
             self._bytes -= dropped
 
-    def clear(self) -> None:
-        """Forget everything."""
-        self._data.clear()
-        self._bytes = 0
-
 
 def decode_body(raw: bytes) -> object:
     """JSON body -> Python; 400 on anything that is not JSON."""

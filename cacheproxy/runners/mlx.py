@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,8 +289,3 @@ def _device() -> str:
     import mlx.core as mx
 
     return f"{platform.system()}-{platform.machine()}-{mx.default_device()}"
-
-
-def monotonic_ms(start: float) -> float:
-    """Milliseconds since a monotonic start."""
-    return (time.monotonic() - start) * 1000
