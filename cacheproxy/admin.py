@@ -85,6 +85,7 @@ async def metrics(request: web.Request) -> web.Response:
     """GET /metrics: Prometheus exposition."""
     data = await snapshot(request.app)
     gauges = {"store_errors": data["counters"].get("store_errors", 0),
+              "breaker": data["store_breaker"],
               "entries": data["store"].get("entries"), "bytes": data["store"].get("bytes"),
               "queued": data["lane"].get("queued", 0),
               "invalidation": {k: v for k, v in data["counters"].items()

@@ -34,6 +34,9 @@ class Metrics:
                                  registry=r)
         self.store_errors = Gauge("cacheproxy_store_errors", "Store failures (each a miss)",
                                   registry=r)
+        self.breaker_open = Gauge("cacheproxy_store_breaker_open",
+                                  "1 while the store's circuit breaker keeps requests off it",
+                                  registry=r)
         self.store_entries = Gauge("cacheproxy_store_entries", "Entries in the store",
                                    registry=r)
         self.store_bytes = Gauge("cacheproxy_store_bytes", "Bytes in the store", registry=r)
@@ -71,6 +74,7 @@ class Metrics:
     def render(self, gauges: dict[str, Any]) -> bytes:
         """The exposition text, with point-in-time gauges refreshed first."""
         self.store_errors.set(gauges.get("store_errors", 0))
+        self.breaker_open.set(1 if gauges.get("breaker") == "open" else 0)
         if gauges.get("entries") is not None:
             self.store_entries.set(gauges["entries"])
             self.store_bytes.set(gauges["bytes"])

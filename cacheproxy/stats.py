@@ -69,6 +69,7 @@ async def snapshot(app: web.Application) -> dict[str, Any]:
         "lane": proxy.runner.lane_state(),
         "generations": proxy.runner.generations,
         "fills_in_progress": len(proxy.flights),
+        "store_breaker": proxy.breaker.state,
         "counters": {**proxy.counters, **app[INVALIDATOR].counters},
     }
 

@@ -176,6 +176,10 @@ async def test_store_errors_are_misses_never_5xx(runner: MlxRunner) -> None:
         assert store.calls == 2
         assert app[PROXY].counters["store_errors"] == 5
         assert app[PROXY].breaker.state == "open"
+        async with aiohttp.ClientSession() as session, \
+                session.get(f"http://127.0.0.1:{server.port}/metrics") as resp:
+            metrics = await resp.text()
+        assert "cacheproxy_store_breaker_open 1.0" in metrics
     finally:
         await server.close()
 

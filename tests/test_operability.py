@@ -62,6 +62,7 @@ async def test_counters_follow_a_known_sequence(make_proxy: ProxyFactory) -> Non
     assert m[("cacheproxy_generation_seconds_count", ())] == 3  # 2 misses + 1 bypass
     assert m[("cacheproxy_generated_tokens_total", ())] > 150
     assert m[("cacheproxy_store_entries", ())] >= 2
+    assert m[("cacheproxy_store_breaker_open", ())] == 0
     assert m[("cacheproxy_request_seconds_count", (("cache", "HIT"),))] == 2
 
 
