@@ -16,7 +16,10 @@ twice: directly (with `logprobs: true`, so per-token logprobs are compared too) 
 proxy per configuration; `seeded` caches greedy and seeded requests and passes unseeded
 sampling through uncached as BYPASS; logprobs are unsupported in upstream mode, so the proxy
 column compares text only). Metric: the fraction of repeat pairs (R*(R-1)/2 per prompt)
-whose generations are byte-identical (and whose logprob lists are bit-identical).
+whose generations are byte-identical (and whose logprob lists are bit-identical). Failed
+requests are left out of the pairs and counted per cell by kind ("HTTP 503 overloaded",
+"ClientOSError: Connection reset by peer", "TimeoutError", ...): the table, the JSON
+(`error_kinds`) and the per-cell log line on stderr name them.
 
     python loadtests/reproducibility.py                        # wheel BLAS, 100 x 10
     python loadtests/reproducibility.py --blas wheel,openblas  # both runtimes side by side
@@ -81,6 +84,40 @@ class Result:
     seconds: float
     x_cache: dict[str, int] = field(default_factory=dict)
     errors: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)
+
+
+class HTTPStatus(Exception):
+    """A non-200 answer: its status and the error code of its JSON body, if any."""
+
+    def __init__(self, status: int, data: Any) -> None:
+        code = ""
+        if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            code = str(data["error"].get("code") or data["error"].get("type") or "")
+        self.kind = f"HTTP {status}" + (f" {code}" if code else "")
+        super().__init__(f"{status}: {str(data)[:300]}")
+
+
+def error_kind(exc: BaseException) -> str:
+    """A short label grouping failures of the same cause."""
+    if isinstance(exc, HTTPStatus):
+        return exc.kind
+    if isinstance(exc, TimeoutError):  # aiohttp's total timeout raises this too
+        return "TimeoutError (client timeout)"
+    if isinstance(exc, OSError) and exc.strerror:  # ClientOSError: Connection reset by peer
+        return f"{type(exc).__name__}: {exc.strerror}"
+    text = str(exc).split("\n")[0][:80]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+@dataclass
+class Measured:
+    """What one configuration got: per prompt index, its texts and logprob lists in order."""
+
+    texts: dict[int, list[Any]]
+    logprobs: dict[int, list[Any]]
+    caches: dict[str, int]  # X-Cache value -> count ('-' when absent)
+    error_kinds: dict[str, int]  # error_kind() -> count
 
 
 def pair_rate(samples: dict[int, list[Any]]) -> float:
@@ -95,9 +132,13 @@ def pair_rate(samples: dict[int, list[Any]]) -> float:
 async def one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
               ) -> tuple[str, Any, str]:
     async with session.post(url, json=body) as resp:
-        data = await resp.json(content_type=None)
+        raw = await resp.read()
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            data = raw[:300].decode(errors="replace")
         if resp.status != 200:
-            raise RuntimeError(f"{resp.status}: {str(data)[:300]}")
+            raise HTTPStatus(resp.status, data)
         choice = data["choices"][0]
         logprobs = choice.get("logprobs")
         tokens = None
@@ -107,11 +148,11 @@ async def one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
 
 
 async def measure(url: str, model: str, config: str, prompts: list[str], repeats: int,
-                  max_tokens: int, logprobs: bool) -> tuple[dict[int, list[Any]], ...]:
+                  max_tokens: int, logprobs: bool) -> Measured:
     texts: dict[int, list[Any]] = {i: [] for i in range(len(prompts))}
     lps: dict[int, list[Any]] = {i: [] for i in range(len(prompts))}
     caches: Counter[str] = Counter()
-    errors = 0
+    kinds: Counter[str] = Counter()
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for r in range(repeats):
@@ -131,29 +172,32 @@ async def measure(url: str, model: str, config: str, prompts: list[str], repeats
                 for i in order:
                     try:
                         outs.append(await one(session, url, body(i)))
-                    except (RuntimeError, aiohttp.ClientError, TimeoutError) as exc:
+                    except Exception as exc:  # noqa: BLE001  (counted by kind, not fatal)
                         outs.append(exc)
             for i, out in zip(order, outs, strict=True):
                 if isinstance(out, BaseException):
-                    errors += 1
-                    print(f"  error: {out}", file=sys.stderr)
+                    if isinstance(out, (KeyboardInterrupt, SystemExit)):
+                        raise out
+                    kinds[error_kind(out)] += 1
+                    print(f"  error (round {r}): {error_kind(out)}: {str(out)[:200]}",
+                          file=sys.stderr)
                     continue
                 texts[i].append(out[0])
                 lps[i].append(out[1])
                 caches[out[2].split(";")[0] or "-"] += 1
-    return texts, lps, {"caches": dict(caches), "errors": errors}  # type: ignore[return-value]
+    return Measured(texts, lps, dict(caches), dict(kinds))
 
 
 def cell(blas: str, config: str, path: str, started: float,
-         measured: tuple[dict[int, list[Any]], ...], logprobs: bool) -> Result:
-    texts, lps, extra = measured
+         measured: Measured, logprobs: bool) -> Result:
+    texts, lps = measured.texts, measured.logprobs
     all_same = sum(1 for v in texts.values() if v and len(set(v)) == 1)
     res = Result(blas, config, path, pair_rate(texts), pair_rate(lps) if logprobs else None,
                  all_same, len(texts), round(time.monotonic() - started, 1),
-                 extra["caches"], extra["errors"])  # type: ignore[call-overload]
+                 measured.caches, sum(measured.error_kinds.values()), measured.error_kinds)
     lp = "-" if res.logprob_rate is None else f"{res.logprob_rate:.3f}"
     print(f"  {blas:8} {path:6} {config:14} text {res.text_rate:.3f} logprobs {lp} "
-          f"({res.seconds} s, X-Cache {res.x_cache}, errors {res.errors})",
+          f"({res.seconds} s, X-Cache {res.x_cache}, errors {res.errors} {res.error_kinds})",
           file=sys.stderr, flush=True)
     return res
 
@@ -191,13 +235,22 @@ def markdown(results: list[Result], args: argparse.Namespace) -> str:
                          f"{d.prompts_all_same}/{d.prompts}", f"{p.text_rate:.3f}",
                          f"{p.prompts_all_same}/{p.prompts}",
                          ", ".join(f"{k} {v}" for k, v in sorted(p.x_cache.items())),
-                         d.errors + p.errors])
+                         kinds_text(d), kinds_text(p)])
     head = (f"{args.prompts} prompts x {args.repeats} repeats, max_tokens {args.max_tokens}; "
             f"proxy: --sampling {PROXY_SAMPLING}, memory store, text only (no logprobs in "
             f"upstream mode); rate = fraction of identical repeat pairs\n\n")
     return head + table(
         ["BLAS", "configuration", "direct text", "direct logprobs", "direct prompts all same",
-         "proxy text", "proxy prompts all same", "proxy X-Cache", "errors"], rows, "ll")
+         "proxy text", "proxy prompts all same", "proxy X-Cache", "direct errors",
+         "proxy errors"], rows, "ll")
+
+
+def kinds_text(res: Result) -> str:
+    """'0', or the count and its kinds: '28 (ClientOSError: Connection reset by peer 28)'."""
+    if not res.errors:
+        return "0"
+    return f"{res.errors} (" + ", ".join(f"{k} {v}" for k, v in
+                                        sorted(res.error_kinds.items())) + ")"
 
 
 def plot(results: list[Result], args: argparse.Namespace) -> Path:
