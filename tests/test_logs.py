@@ -1,0 +1,108 @@
+"""Log lines and metric families rendered on the request path's short cuts match the
+general machinery they stand in for."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import pytest
+import structlog
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+from cacheproxy import logs
+from cacheproxy.metrics import LATENCY_BUCKETS, Metrics
+
+
+@pytest.fixture
+def json_lines(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[io.BytesIO, logs.BatchedLines]]:
+    sink = io.BytesIO()
+
+    class FakeStderr:  # configure() writes to sys.stderr.buffer; a buffer we can read
+        buffer = sink
+
+        @staticmethod
+        def isatty() -> bool:
+            return False
+
+    monkeypatch.setattr("sys.stderr", FakeStderr)
+    batched = logs.configure(fmt="json", level="info")
+    assert batched is not None
+    yield sink, batched
+    structlog.reset_defaults()
+
+
+def _lines(sink: io.BytesIO, batched: logs.BatchedLines) -> list[dict[str, Any]]:
+    batched.flush()
+    return [orjson.loads(line) for line in sink.getvalue().splitlines()]
+
+
+def test_info_lines_match_the_processor_chain(
+    json_lines: tuple[io.BytesIO, logs.BatchedLines],
+) -> None:
+    sink, batched = json_lines
+    log = structlog.get_logger("t").bind(app="x")
+    fields = {"request_id": "r1", "status": 200, "total_ms": 0.5, "odd": {1, 2}}
+    log.info("request", **fields)  # the direct rendering
+    log.warning("request", **fields)  # the processor chain
+    lean, chain = _lines(sink, batched)
+    assert list(lean) == list(chain)  # same keys in the same order
+    assert lean["timestamp"].endswith("Z") and lean["level"] == "info"
+    assert chain["level"] == "warning"
+    for key in ("app", "request_id", "status", "total_ms", "event", "odd"):
+        assert lean[key] == chain[key]
+
+
+def test_info_with_exc_info_or_arguments_takes_the_chain(
+    json_lines: tuple[io.BytesIO, logs.BatchedLines],
+) -> None:
+    sink, batched = json_lines
+    log = structlog.get_logger("t")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.info("failed", exc_info=True)
+    log.info("%s items", 3)
+    failed, items = _lines(sink, batched)
+    assert "ValueError: boom" in failed["exception"]
+    assert items["event"] == "3 items"
+
+
+def test_info_is_dropped_above_info_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    sink = io.BytesIO()
+
+    class FakeStderr:
+        buffer = sink
+
+        @staticmethod
+        def isatty() -> bool:
+            return False
+
+    monkeypatch.setattr("sys.stderr", FakeStderr)
+    batched = logs.configure(fmt="json", level="warning")
+    try:
+        assert batched is not None
+        structlog.get_logger("t").info("request", status=200)
+        structlog.get_logger("t").warning("store_unavailable")
+        assert [line["event"] for line in _lines(sink, batched)] == ["store_unavailable"]
+    finally:
+        structlog.reset_defaults()
+
+
+def test_latency_histogram_matches_prometheus_client() -> None:
+    ours = Metrics()
+    registry = CollectorRegistry()
+    reference = Histogram("cacheproxy_request_seconds", "Request latency by cache status",
+                          ["cache"], buckets=LATENCY_BUCKETS, registry=registry)
+    for seconds in (0.0001, 0.0005, 0.0006, 0.001, 0.3, 60.0, 75.0):  # edges are inclusive
+        ours.observe("/v1/chat/completions", 200, seconds, {"cache": "HIT"})
+        reference.labels("HIT").observe(seconds)
+
+    def series(text: bytes) -> set[str]:
+        return {line for line in text.decode().splitlines()
+                if line.startswith("cacheproxy_request_seconds_")
+                and not line.startswith("cacheproxy_request_seconds_created")}
+
+    assert series(ours.render({})) == series(generate_latest(registry))
