@@ -53,13 +53,16 @@ def _add_routes(app: web.Application, settings: Settings, metrics: Metrics,
     def api_guard(request: web.Request) -> None:
         request[IDENTITY] = client_identity(request, keys)
 
+    tally, count = metrics.observe, request_stats.observe
+
     def observe_api(endpoint: str, status: int, seconds: float, info: dict[str, Any]) -> None:
-        metrics.observe(endpoint, status, seconds, info)
+        tally(endpoint, status, seconds, info)
         if info:
-            request_stats.observe(info)
+            count(info)
 
     limits = Limits(settings.max_in_flight)
-    api = {"guard": api_guard, "limits": limits, "observe": observe_api}
+    # Without API keys every caller is the same anonymous identity (IDENTITY unset: "").
+    api = {"guard": api_guard if keys else None, "limits": limits, "observe": observe_api}
     routes: list[tuple[str, str, Handler, dict[str, Any]]] = [
         ("POST", "/v1/chat/completions", handlers.chat_completions, api),
         ("POST", "/v1/completions", handlers.completions, api),
@@ -124,7 +127,7 @@ def _lifecycle(
                                                 ttl=settings.ttl,
                                                 store_retry=settings.store_retry,
                                                 lock_ttl=settings.lock_ttl),
-                                 gate=invalidator.wait_ready)
+                                 gate=invalidator.wait_ready, gate_open=invalidator.is_open)
             app[PROXY] = proxy
             log.info("serving", model=settings.served_model_id,
                      fingerprint=the_runner.fingerprint().digest,

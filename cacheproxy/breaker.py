@@ -34,6 +34,11 @@ class Breaker:
             return "closed"
         return "open" if self._clock() < self._open_until else "half-open"
 
+    @property
+    def closed(self) -> bool:
+        """Every call goes to the store."""
+        return self._open_until == 0.0
+
     def allow(self) -> None:
         """Raise StoreUnavailable unless a call may go to the store now."""
         if self._open_until == 0.0:

@@ -12,10 +12,11 @@ from cacheproxy import render
 from cacheproxy.canonical import Endpoint, Parsed
 from cacheproxy.codec import Chunk, Output
 from cacheproxy.errors import ProxyError
+from cacheproxy.fingerprint import Fingerprint
 from cacheproxy.flights import Flight
-from cacheproxy.hot import CREATED_MARK, ID_MARK
+from cacheproxy.hot import CREATED_MARK, ID_MARK, Repeat, Repeats, Template, splice
 from cacheproxy.service import Answer
-from cacheproxy.state import CACHE_LOG, HOT, IDENTITY, INVALIDATOR, PROXY, SETTINGS, STARTED
+from cacheproxy.state import CACHE_LOG, HOT, IDENTITY, INVALIDATOR, PROXY, SETTINGS, STARTED, Hot
 from policies.cache_control import parse_cache_control, response_cache_control
 
 JSON = "application/json"
@@ -42,11 +43,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     app = request.app
     proxy, hot, settings = app[PROXY], app[HOT], app[SETTINGS]
-    parsed = hot.parser.parse(await request.read(), endpoint, proxy.runner.defaults(),
-                              settings.sampling)
-    directives = parse_cache_control(request.headers.get("Cache-Control"))
+    raw = await request.read()
     scope = request.get(IDENTITY, "") if settings.cache_scope == "per-key" else ""
-    answer = await proxy.answer(parsed, directives=directives, scope=scope)
+    control = request.headers.get("Cache-Control")
+    if control is None and (repeat := hot.repeats.get(endpoint, scope, raw)) is not None:
+        if await proxy.still_stored(repeat.key, repeat.data, repeat.fingerprint):
+            return _repeat_hit(request, repeat, settings.ttl)
+        hot.repeats.forget(endpoint, scope, raw)
+    parsed = hot.parser.parse(raw, endpoint, proxy.runner.defaults(), settings.sampling)
+    answer = await proxy.answer(parsed, directives=parse_cache_control(control), scope=scope)
     if answer.flight is not None:
         await answer.flight.started()  # errors before the first token are real HTTP errors
         if answer.flight.from_store:  # stored meanwhile, here or by another replica
@@ -60,7 +65,12 @@ async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     if answer.record is not None:
         info["tokens"] = answer.record.output.completion_tokens
         info["runner_ms"] = answer.record.provenance.get("generation_ms", 0.0)
-        return _hit(request, answer, parsed, headers)
+        template = _hit_template(hot, answer, parsed)
+        if control is None and answer.stored is not None:
+            _remember(hot.repeats, (endpoint, scope, raw), answer, template, headers, info,
+                      proxy.runner.fingerprint())
+        body = splice(template.body, hot.ids.next(endpoint), int(time.time()))
+        return web.Response(body=body, headers=headers, content_type=template.content_type)
     frame = _frame(parsed, answer, hot.ids.next(endpoint), int(time.time()))
     if parsed.delivery.stream:
         response = await _stream(request, answer, frame, headers)
@@ -71,6 +81,32 @@ async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         response = json_response(render.body(frame, output), headers=headers)
     _generation_info(info, answer)
     return response
+
+
+def _repeat_hit(request: web.Request, repeat: Repeat, ttl: float | None) -> web.Response:
+    """A repeat of a request whose HIT is remembered: the same answer, nothing re-derived."""
+    request[CACHE_LOG] = dict(repeat.log)
+    now = time.time()
+    age = max(0.0, now - repeat.created_at)
+    headers = {**repeat.headers, "Age": str(int(age)),
+               "Cache-Control": response_cache_control(stored=True, ttl=ttl, age=age)}
+    body = splice(repeat.template.body, request.app[HOT].ids.next(repeat.endpoint), int(now))
+    return web.Response(body=body, headers=headers, content_type=repeat.template.content_type)
+
+
+def _remember(repeats: Repeats, memo_key: tuple[Endpoint, str, bytes], answer: Answer,
+              template: Template, headers: dict[str, str], info: dict[str, Any],
+              serving: Fingerprint) -> None:
+    """Keep what this HIT needed, so that repeats of the same bytes go straight to the
+    store check (only while the fingerprint it was keyed under is the one serving)."""
+    if answer.record is None or answer.stored is None or serving.digest != answer.fingerprint:
+        return
+    endpoint, scope, raw = memo_key
+    fixed = {k: v for k, v in headers.items() if k not in ("Age", "Cache-Control")}
+    repeats.remember(endpoint, scope, raw, Repeat(
+        fingerprint=serving, key=answer.key, data=answer.stored, endpoint=endpoint,
+        created_at=float(answer.record.provenance.get("created_at", 0.0)),
+        template=template, headers=fixed, log=dict(info)))
 
 
 def _generation_info(info: dict[str, Any], answer: Answer) -> None:
@@ -87,24 +123,20 @@ def _frame(parsed: Parsed, answer: Answer, response_id: str, created: int) -> re
                         cached=answer.status == "HIT")
 
 
-def _hit(request: web.Request, answer: Answer, parsed: Parsed, headers: dict[str, str]
-         ) -> web.Response:
-    """A stored answer: rendered once per record and delivery, then id and time spliced in."""
-    record, hot = answer.record, request.app[HOT]
+def _hit_template(hot: Hot, answer: Answer, parsed: Parsed) -> Template:
+    """A stored answer rendered once per record and delivery, id and time left open."""
+    record = answer.record
     if record is None:
         raise RuntimeError("a hit without a record")
-    template = _frame(parsed, answer, ID_MARK, CREATED_MARK)
+    frame = _frame(parsed, answer, ID_MARK, CREATED_MARK)
     if parsed.delivery.stream:
-        def draw() -> bytes:
-            return render.whole_stream(template, record.output)
+        def draw() -> Template:
+            return Template(render.whole_stream(frame, record.output), SSE)
     else:
-        def draw() -> bytes:
-            return orjson.dumps(render.body(template, record.output))
-    key = (answer.key, parsed.delivery, parsed.request.logprobs)
-    body = hot.templates.body(key, record, draw, hot.ids.next(parsed.request.endpoint),
-                              int(time.time()))
-    return web.Response(body=body, headers=headers,
-                        content_type=SSE if parsed.delivery.stream else JSON)
+        def draw() -> Template:
+            return Template(orjson.dumps(render.body(frame, record.output)), JSON)
+    return hot.templates.get((answer.key, parsed.delivery, parsed.request.logprobs), record,
+                             draw)
 
 
 def _cache_headers(answer: Answer, parsed: Parsed, ttl: float | None) -> dict[str, str]:

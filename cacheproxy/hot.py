@@ -4,7 +4,9 @@ Every memo is bounded, and every entry is checked against what it was derived fr
 memo can only skip work, never change an answer:
 - parsed requests are reused only for the same body bytes, runner defaults and mode;
 - a decoded record only while the store returns the very same bytes;
-- a rendered hit body only for the same record object and delivery.
+- a rendered hit body only for the same record object and delivery;
+- a repeat's whole hit only while the runner serves the same fingerprint and the store
+  returns the same bytes (`Repeat`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import itertools
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import orjson
 
@@ -55,6 +58,12 @@ class LRU(Generic[K, V]):
         while len(self._data) > self._max or self._bytes > self._max_bytes:
             _, (_, dropped) = self._data.popitem(last=False)
             self._bytes -= dropped
+
+    def pop(self, key: K) -> None:
+        """Remove key if present."""
+        old = self._data.pop(key, None)
+        if old is not None:
+            self._bytes -= old[1]
 
 
 def decode_body(raw: bytes) -> object:
@@ -107,19 +116,70 @@ _ID_BYTES = f'"id":"{ID_MARK}"'.encode()
 _CREATED_BYTES = f'"created":{CREATED_MARK}'.encode()
 
 
+@dataclass(frozen=True, slots=True)
+class Template:
+    """A rendered hit body with the response id and creation time left to splice in."""
+
+    body: bytes
+    content_type: str
+
+
 class HitTemplates:
-    """Rendered hit bodies with the response id and creation time left to splice in."""
+    """Rendered hit bodies, one per record and delivery."""
 
     def __init__(self, max_entries: int = 4096) -> None:
-        self._memo: LRU[Hashable, tuple[object, bytes]] = LRU(max_entries)
+        self._memo: LRU[Hashable, tuple[object, Template]] = LRU(max_entries)
 
-    def body(self, key: Hashable, source: object, render: Callable[[], bytes],
-             response_id: str, created: int) -> bytes:
-        """The rendered body for `key`, re-rendered when `source` is another object."""
+    def get(self, key: Hashable, source: object, render: Callable[[], Template]) -> Template:
+        """The template for `key`, rendered again when `source` is another object."""
         known = self._memo.get(key)
         if known is None or known[0] is not source:
             known = (source, render())
-            self._memo.put(key, known, size=len(known[1]))
-        # Inside JSON strings quotes are escaped, so these byte runs only match the fields.
-        return known[1].replace(_ID_BYTES, f'"id":"{response_id}"'.encode()).replace(
-            _CREATED_BYTES, f'"created":{created}'.encode())
+            self._memo.put(key, known, size=len(known[1].body))
+        return known[1]
+
+
+def splice(template: bytes, response_id: str, created: int) -> bytes:
+    """A rendered hit body with its response id and creation time filled in."""
+    # Inside JSON strings quotes are escaped, so these byte runs only match the fields.
+    return template.replace(_ID_BYTES, f'"id":"{response_id}"'.encode()).replace(
+        _CREATED_BYTES, f'"created":{created}'.encode())
+
+
+@dataclass(frozen=True, slots=True)
+class Repeat:
+    """Everything a HIT response to one exact request body needed, kept for its repeats.
+
+    Valid only while the runner serves `fingerprint` (that very object) and the store still
+    returns `data` under `key`: then the full order of operations gives this same answer.
+    """
+
+    fingerprint: object
+    key: str
+    data: bytes
+    endpoint: Endpoint
+    created_at: float
+    template: Template
+    headers: dict[str, str]  # all but Age and Cache-Control, which change with time
+    log: dict[str, Any]  # the request's cache log fields (copied per request)
+
+
+class Repeats:
+    """Repeat requests by (endpoint, cache scope, raw body): their hit, without parsing."""
+
+    def __init__(self, max_entries: int = 4096, *, max_bytes: int = 64 << 20) -> None:
+        self._memo: LRU[tuple[Endpoint, str, bytes], Repeat] = LRU(max_entries, max_bytes=max_bytes)
+
+    def get(self, endpoint: Endpoint, scope: str, raw: bytes) -> Repeat | None:
+        """The remembered hit of exactly this request, if any."""
+        return self._memo.get((endpoint, scope, raw))
+
+    def remember(self, endpoint: Endpoint, scope: str, raw: bytes, repeat: Repeat) -> None:
+        """Keep a hit for the repeats of a small request body."""
+        if len(raw) <= MAX_MEMO_BODY:
+            size = len(raw) + len(repeat.data) + len(repeat.template.body)
+            self._memo.put((endpoint, scope, raw), repeat, size=size)
+
+    def forget(self, endpoint: Endpoint, scope: str, raw: bytes) -> None:
+        """Drop an entry that no longer matches the store."""
+        self._memo.pop((endpoint, scope, raw))

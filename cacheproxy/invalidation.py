@@ -79,6 +79,10 @@ class Invalidator:
                                    self.reload, interval=watch_interval)
             self._watcher = asyncio.create_task(watcher.run())
 
+    def is_open(self) -> bool:
+        """No reload is holding requests."""
+        return self._open.is_set()
+
     async def wait_ready(self) -> None:
         """Let a request through, or hold it while a reload runs (503 after reload_wait)."""
         if self._open.is_set():

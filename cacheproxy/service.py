@@ -53,6 +53,7 @@ class Answer:
     flight: Flight | None = None
     age: float = 0.0
     stores: bool = True  # whether this answer is (or will be) in the store
+    stored: bytes | None = None  # a HIT's record as the store returned it
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,10 @@ async def _always_open() -> None:
     return None
 
 
+def _is_open() -> bool:
+    return True
+
+
 class CachingProxy:
     """Serve from the store, or fill it through the runner exactly once per key."""
 
@@ -79,10 +84,12 @@ class CachingProxy:
         options: ServiceOptions,
         *,
         gate: Callable[[], Awaitable[None]] = _always_open,
+        gate_open: Callable[[], bool] = _is_open,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.runner = runner
         self._gate = gate
+        self._gate_open = gate_open
         self.store = store
         self.flights = Flights()
         self._options = options
@@ -112,7 +119,7 @@ class CachingProxy:
             return Answer("BYPASS", decision.reason, key, fingerprint, flight=flight,
                           stores=False)
         try:
-            record = await self._lookup(key, request)
+            found = await self._lookup(key, request)
         except StoreUnavailable:
             if never_generate:
                 raise NotCached("the store is unavailable and only-if-cached was asked") from None
@@ -121,11 +128,13 @@ class CachingProxy:
             flight, _ = self.flights.join(key, fill, shared=False)
             return Answer("BYPASS", "store-unavailable", key, fingerprint, flight=flight,
                           stores=False)
-        if record is not None:
+        if found is not None:
+            record, data = found
             age = max(0.0, self._clock() - float(record.provenance.get("created_at", 0.0)))
             fresh = stored_answer_usable(directives, age)
             if fresh.usable:
-                return Answer("HIT", decision.reason, key, fingerprint, record=record, age=age)
+                return Answer("HIT", decision.reason, key, fingerprint, record=record, age=age,
+                              stored=data)
             if never_generate:
                 raise NotCached(f"the stored answer is not usable ({fresh.reason}) and "
                                 "only-if-cached was asked")
@@ -147,8 +156,23 @@ class CachingProxy:
         return Answer("MISS" if leader else "COALESCED", decision.reason, key, fingerprint,
                       flight=flight)
 
-    async def _lookup(self, key: str, request: CanonicalRequest) -> codec.Record | None:
-        """The valid record under key, None on a miss; StoreUnavailable when the store is not."""
+    async def still_stored(self, key: str, data: bytes, fingerprint: object) -> bool:
+        """Whether an earlier HIT still holds for a repeat of its request, so that the full
+        order of operations would give the same answer: the gate is open, the runner serves
+        that very fingerprint, the breaker is closed and the store returns the same bytes."""
+        if not (self._gate_open() and self.runner.fingerprint() is fingerprint
+                and self.breaker.closed):
+            return False
+        try:
+            now = await self.store.get(key)
+        except BackendError:
+            return False  # the full path asks again, then counts and handles the failure
+        return now is data or now == data
+
+    async def _lookup(self, key: str, request: CanonicalRequest
+                      ) -> tuple[codec.Record, bytes] | None:
+        """The valid record under key and its stored bytes, None on a miss;
+        StoreUnavailable when the store is not."""
         try:
             data = await self._guarded(self.store.get(key))
         except StoreUnavailable as exc:
@@ -171,7 +195,7 @@ class CachingProxy:
         if packed != request.packed:
             await self._discard(key, "record holds another request")
             return None
-        return record
+        return record, data
 
     async def _discard(self, key: str, why: str) -> None:
         self.counters["corrupt_records"] += 1
@@ -269,9 +293,10 @@ class CachingProxy:
 
     async def _recheck(self, key: str, request: CanonicalRequest) -> codec.Record | None:
         try:
-            return await self._lookup(key, request)
+            found = await self._lookup(key, request)
         except StoreUnavailable:
             return None  # went down since the lookup: generate anyway
+        return None if found is None else found[0]
 
     def _record(self, request: CanonicalRequest, output: codec.Output, ms: float) -> codec.Record:
         fp = self.runner.fingerprint()

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from cacheproxy.hot import HitTemplates, ParseMemo, ResponseIds
+from cacheproxy.hot import HitTemplates, ParseMemo, Repeats, ResponseIds
 from cacheproxy.invalidation import Invalidator
 from cacheproxy.service import CachingProxy
 from cacheproxy.settings import Settings
@@ -19,6 +19,7 @@ class Hot:
     parser: ParseMemo = field(default_factory=ParseMemo)
     templates: HitTemplates = field(default_factory=HitTemplates)
     ids: ResponseIds = field(default_factory=ResponseIds)
+    repeats: Repeats = field(default_factory=Repeats)
 
 
 SETTINGS = web.AppKey("settings", Settings)

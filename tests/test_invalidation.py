@@ -191,6 +191,28 @@ async def test_requests_during_a_reload_wait_and_key_under_the_new_fingerprint(
     assert headers["X-Cache-Fingerprint"] == runner.fingerprint().digest != old
 
 
+async def test_a_remembered_hit_is_not_served_across_a_reload(
+    make_proxy: ProxyFactory, own_runner: list[MlxRunner], quantized: dict[int, Path],
+    tmp_path: Path,
+) -> None:
+    served = tmp_path / "served"
+    shutil.copytree(quantized[4], served)
+    runner = await _start(own_runner, served)
+    proxy = await make_proxy(the_runner=runner, watch=False)
+    old = runner.fingerprint().digest
+    statuses = [(await _complete(proxy))[1]["X-Cache"] for _ in range(3)]
+    assert statuses == ["MISS", "HIT", "HIT"]  # the last one from the remembered hit
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy2(quantized[8] / name, served / name)
+    reload = asyncio.create_task(proxy.app[INVALIDATOR].reload())
+    await asyncio.sleep(0)  # the reload has closed the gate
+    status, headers, _ = await _complete(proxy)  # a repeat, during the reload: waits too
+    await reload
+    assert status == 200 and headers["X-Cache"] == "MISS"
+    assert headers["X-Cache-Fingerprint"] == runner.fingerprint().digest != old
+    assert (await _complete(proxy))[1]["X-Cache"] == "HIT"
+
+
 async def test_a_reload_longer_than_reload_wait_answers_503(
     make_proxy: ProxyFactory, own_runner: list[MlxRunner], tmp_path: Path,
 ) -> None:

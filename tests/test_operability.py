@@ -117,6 +117,10 @@ async def test_api_keys_are_enforced_and_scope_the_cache(make_proxy: ProxyFactor
     _, h3, _ = await _post(scoped, _body("Hello!"), {"Authorization": "Bearer key-a"})
     assert (h1["X-Cache"], h2["X-Cache"], h3["X-Cache"]) == ("MISS", "MISS", "HIT")
     assert h1["X-Cache-Key"] != h2["X-Cache-Key"]
+    # Repeats (answered from the remembered hit) stay within their caller's scope.
+    _, h4, _ = await _post(scoped, _body("Hello!"), {"Authorization": "Bearer key-b"})
+    _, h5, _ = await _post(scoped, _body("Hello!"), {"Authorization": "Bearer key-a"})
+    assert (h4["X-Cache-Key"], h5["X-Cache-Key"]) == (h2["X-Cache-Key"], h1["X-Cache-Key"])
 
 
 async def test_cache_control_directives(make_proxy: ProxyFactory) -> None:

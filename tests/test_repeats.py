@@ -1,0 +1,116 @@
+"""Repeats of a request whose HIT is remembered: same answer as the full path, and never
+served once the store, the request's directives or the serving model say otherwise."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+from multidict import CIMultiDict
+
+from cacheproxy import codec
+from cacheproxy.canonical import Parsed
+from cacheproxy.state import HOT, PROXY
+from tests.conftest import Proxy, ProxyFactory
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "cacheproxy-demo", "messages": [{"role": "user", "content": "Who is the owl?"}],
+        "max_tokens": 12}
+SAME_EVERY_TIME = ("X-Cache", "X-Cache-Key", "X-Cache-Fingerprint", "Cache-Control",
+                   "Content-Type", "Age")
+
+
+async def _post(proxy: Proxy, body: dict[str, Any] = BODY, headers: dict[str, str] | None = None
+                ) -> tuple[CIMultiDict[str], bytes]:
+    async with aiohttp.ClientSession() as session, \
+            session.post(proxy.url + CHAT, json=body, headers=headers or {}) as resp:
+        assert resp.status == 200, await resp.text()
+        return resp.headers.copy(), await resp.read()
+
+
+def _without_id_and_time(raw: bytes) -> Any:
+    if raw.startswith(b"data: "):
+        events = [json.loads(line[6:]) for line in raw.split(b"\n\n")
+                  if line.startswith(b"data: {")]
+    else:
+        events = [json.loads(raw)]
+    for event in events:
+        event.pop("id"), event.pop("created")
+    return events
+
+
+def _never_parse(proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here on, the full path fails loudly: answers must come from the repeat path."""
+
+    def refuse(*_: object) -> Parsed:
+        raise AssertionError("the request was parsed again")
+
+    monkeypatch.setattr(proxy.app[HOT].parser, "parse", refuse)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_repeat_answers_as_the_full_path_did(
+    make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    proxy = await make_proxy()
+    body = {**BODY, "stream": stream}
+    miss, _ = await _post(proxy, body)
+    full, full_body = await _post(proxy, body)  # the full path's HIT, remembered
+    _never_parse(proxy, monkeypatch)
+    again, again_body = await _post(proxy, body)
+    assert (miss["X-Cache"], full["X-Cache"], again["X-Cache"]) == ("MISS", "HIT", "HIT")
+    assert {k: again[k] for k in SAME_EVERY_TIME} == {k: full[k] for k in SAME_EVERY_TIME}
+    assert again["X-Request-Id"] != full["X-Request-Id"]
+    assert _without_id_and_time(again_body) == _without_id_and_time(full_body)
+    assert json.loads(again_body.split(b"\n")[0].removeprefix(b"data: "))["id"] != \
+        json.loads(full_body.split(b"\n")[0].removeprefix(b"data: "))["id"]
+    assert proxy.app[PROXY].runner.generations >= 1
+
+
+async def test_a_deleted_entry_is_generated_again(make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy()
+    await _post(proxy)
+    hit, _ = await _post(proxy)
+    before = proxy.generations
+    assert await proxy.store.delete(hit["X-Cache-Key"])
+    again, _ = await _post(proxy)
+    assert again["X-Cache"] == "MISS" and proxy.generations == before + 1
+
+
+async def test_a_replaced_record_is_what_repeats_get(make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy()
+    await _post(proxy)
+    hit, _ = await _post(proxy)
+    key = hit["X-Cache-Key"]
+    stored = await proxy.store.get(key)
+    assert stored is not None
+    record = codec.decode(stored)
+    chunk = codec.Chunk(text="A replaced answer.", tokens=(1, 2, 3))
+    output = dataclasses.replace(record.output, chunks=(chunk,), completion_tokens=3)
+    await proxy.store.set(key, codec.encode(dataclasses.replace(record, output=output)))
+    again, raw = await _post(proxy)
+    assert again["X-Cache"] == "HIT"
+    assert json.loads(raw)["choices"][0]["message"]["content"] == "A replaced answer."
+
+
+async def test_request_directives_take_the_full_path(make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy()
+    await _post(proxy)
+    await _post(proxy)
+    before = proxy.generations
+    fresh, _ = await _post(proxy, headers={"Cache-Control": "max-age=0"})
+    assert fresh["X-Cache"] == "MISS; reason=max-age" and proxy.generations == before + 1
+    only, _ = await _post(proxy, headers={"Cache-Control": "only-if-cached"})
+    assert only["X-Cache"] == "HIT"
+
+
+async def test_an_open_breaker_is_not_bypassed_by_a_repeat(make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy(store_retry=60)
+    await _post(proxy)
+    await _post(proxy)
+    proxy.app[PROXY].breaker.failed()  # as after a store failure on another request
+    again, _ = await _post(proxy)
+    assert again["X-Cache"] == "BYPASS; reason=store-unavailable"
