@@ -291,3 +291,90 @@ class TestCluster:
 def _count(server: RedisServer, pattern: str) -> int:
     with server.client() as client:
         return sum(1 for _ in client.scan_iter(match=pattern, count=1000))
+
+
+@pytest.mark.asyncio
+class TestGetLane:
+    """GETs of a single server go through backends/resp.py's pipelined connection."""
+
+    async def test_concurrent_gets_each_get_their_own_reply(self, redis_url: str) -> None:
+        store = open_redis(redis_url)
+        try:
+            values = {f"k{i}": os.urandom(i % 700) + str(i).encode() for i in range(300)}
+            for key, value in values.items():
+                await store.set(key, value)
+            keys = [*values, "absent"] * 3
+            got = await asyncio.gather(*(store.get(key) for key in keys))
+            assert got == [values.get(key) for key in keys]
+            # 903 GETs at once, pipelined on one connection (the pool's writer is the other).
+            with redis.Redis.from_url(redis_url) as client:
+                clients = client.client_list()
+            assert len(clients) <= 3, clients
+        finally:
+            await store.aclose()
+
+    async def test_a_cancelled_get_leaves_the_next_replies_in_order(
+        self, redis_url: str
+    ) -> None:
+        store = open_redis(redis_url)
+        try:
+            await store.set("a", b"A")
+            await store.set("b", b"B")
+            assert await store.get("a") == b"A"  # connected
+            early = asyncio.create_task(store.get("a"))
+            await asyncio.sleep(0)  # the GET is written; its reply is not read yet
+            early.cancel()
+            assert await asyncio.gather(store.get("b"), store.get("a")) == [b"B", b"A"]
+        finally:
+            await store.aclose()
+
+    async def test_a_busy_server_times_out_then_answers_again(
+        self, start_redis: StartServer
+    ) -> None:
+        server = start_redis("--enable-debug-command", "yes")
+        store = open_redis(server.url + "/0?socket_timeout=0.2")
+        try:
+            await store.set("k", b"v")
+            assert await store.get("k") == b"v"
+            with server.client() as client:
+                busy = asyncio.create_task(asyncio.to_thread(client.execute_command,
+                                                             "DEBUG", "SLEEP", "0.8"))
+                await asyncio.sleep(0.1)
+                started = time.monotonic()
+                with pytest.raises(BackendError, match="Timeout"):
+                    await store.get("k")
+                assert time.monotonic() - started < 0.6
+                await busy
+            assert await store.get("k") == b"v"  # a new connection
+        finally:
+            await store.aclose()
+
+    async def test_password_and_database_from_the_url(self, start_redis: StartServer) -> None:
+        server = start_redis()
+        with server.client() as client:
+            client.select(3)
+            client.set("k", b"in db 3")
+            client.config_set("requirepass", "s3cret")
+        good = open_redis(f"redis://:s3cret@127.0.0.1:{server.port}/3")
+        wrong = open_redis(f"redis://:nope@127.0.0.1:{server.port}/3")
+        try:
+            assert await good.get("k") == b"in db 3"
+            with pytest.raises(BackendError, match="refused|WRONGPASS|invalid"):
+                await wrong.get("k")
+        finally:
+            await good.aclose()
+            await wrong.aclose()
+            with redis.Redis(port=server.port, password="s3cret") as client:
+                client.config_set("requirepass", "")
+
+    async def test_a_key_of_another_type_is_a_backend_error(self, redis_url: str) -> None:
+        store = open_redis(redis_url)
+        try:
+            with redis.Redis.from_url(redis_url) as client:
+                client.rpush("list", "x")
+            with pytest.raises(BackendError, match="WRONGTYPE"):
+                await store.get("list")
+            await store.set("k", b"v")
+            assert await store.get("k") == b"v"  # the connection is still good
+        finally:
+            await store.aclose()
