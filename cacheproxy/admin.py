@@ -9,13 +9,10 @@ from cacheproxy import codec
 from cacheproxy.errors import InvalidRequest, RouteNotFound
 from cacheproxy.handlers import json_response
 from cacheproxy.hot import decode_body
-from cacheproxy.metrics import Metrics
 from cacheproxy.namespaces import Registry
 from cacheproxy.state import PROXY
-from cacheproxy.stats import snapshot
+from cacheproxy.stats import METRICS, snapshot
 from cacheproxy.store_cli import record_view
-
-METRICS = web.AppKey("metrics", Metrics)
 
 
 async def stats(request: web.Request) -> web.Response:

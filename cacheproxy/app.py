@@ -13,7 +13,6 @@ from aiohttp import web
 from backends import open_backend, redact_url
 from backends.base import Backend
 from cacheproxy import admin, handlers
-from cacheproxy.admin import METRICS
 from cacheproxy.auth import check_admin, client_identity
 from cacheproxy.edge import Handler, Limits, edge, no_route
 from cacheproxy.hot import ParseMemo
@@ -25,7 +24,7 @@ from cacheproxy.runners.upstream import UpstreamOptions, UpstreamRunner
 from cacheproxy.service import CachingProxy, ServiceOptions
 from cacheproxy.settings import Settings
 from cacheproxy.state import HOT, IDENTITY, INVALIDATOR, PROXY, SETTINGS, STARTED, Hot
-from cacheproxy.stats import REQUEST_STATS, RequestStats
+from cacheproxy.stats import METRICS
 from cacheproxy.status_page import status_page
 
 log = structlog.get_logger("cacheproxy.app")
@@ -40,29 +39,21 @@ def create_app(
     app[STARTED] = time.time()
     app[HOT] = Hot(parser=ParseMemo(max_tokens_cap=settings.max_tokens_cap))
     app[METRICS] = metrics = Metrics()
-    app[REQUEST_STATS] = request_stats = RequestStats()
     app.cleanup_ctx.append(_lifecycle(settings, runner, store))
-    _add_routes(app, settings, metrics, request_stats)
+    _add_routes(app, settings, metrics)
     return app
 
 
-def _add_routes(app: web.Application, settings: Settings, metrics: Metrics,
-                request_stats: RequestStats) -> None:
+def _add_routes(app: web.Application, settings: Settings, metrics: Metrics) -> None:
     keys = tuple(k.encode() for k in settings.api_keys)
 
     def api_guard(request: web.Request) -> None:
         request[IDENTITY] = client_identity(request, keys)
 
-    tally, count = metrics.observe, request_stats.observe
-
-    def observe_api(endpoint: str, status: int, seconds: float, info: dict[str, Any]) -> None:
-        tally(endpoint, status, seconds, info)
-        if info:
-            count(info)
-
     limits = Limits(settings.max_in_flight)
     # Without API keys every caller is the same anonymous identity (IDENTITY unset: "").
-    api = {"guard": api_guard if keys else None, "limits": limits, "observe": observe_api}
+    api = {"guard": api_guard if keys else None, "limits": limits,
+           "observe": metrics.tally.observe}
     routes: list[tuple[str, str, Handler, dict[str, Any]]] = [
         ("POST", "/v1/chat/completions", handlers.chat_completions, api),
         ("POST", "/v1/completions", handlers.completions, api),

@@ -27,6 +27,7 @@ from cacheproxy.errors import (
     RouteNotFound,
     StoreDown,
 )
+from cacheproxy.logs import info_writer
 from cacheproxy.state import CACHE_LOG, SETTINGS
 
 log = structlog.get_logger("cacheproxy.access")
@@ -64,7 +65,8 @@ def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
     """Wrap a route handler: request id, guard (auth), in-flight bound, error mapping,
     then one access log line and the metrics of the finished request."""
 
-    access = log.bind()  # a concrete logger once configured: no lazy proxy per request
+    access = info_writer(log.bind())  # a concrete logger once configured: no lazy proxy
+    fixed_path = endpoint if "{" not in endpoint else ""  # a templated route logs its path
 
     @wraps(handler)
     async def wrapped(request: web.Request) -> web.StreamResponse:
@@ -98,11 +100,12 @@ def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
             response.headers["X-Request-Id"] = request_id
         seconds = time.monotonic() - started
         info = request.get(CACHE_LOG, {})
-        access.info("request", request_id=request_id, method=request.method,
-                    path=request.path, status=response.status,
-                    total_ms=round(seconds * 1000, 2), **info)
+        status = response.status
+        access("request", {"request_id": request_id, "method": request.method,
+                           "path": fixed_path or request.path, "status": status,
+                           "total_ms": round(seconds * 1000, 2), **info})
         if observe is not None:
-            observe(endpoint or request.path, response.status, seconds, info)
+            observe(endpoint or request.path, status, seconds, info)
         return response
 
     return wrapped

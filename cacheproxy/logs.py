@@ -13,7 +13,7 @@ import atexit
 import logging
 import sys
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any, BinaryIO, cast
 
 import orjson
@@ -93,12 +93,25 @@ def _lean_json_logger(numeric: int, stamp: IsoTimestamp) -> type[Any]:
             if args or "exc_info" in kw:
                 super().info(event, *args, **kw)
                 return
-            fields = {**self._context, **kw} if self._context else kw  # kw is ours to fill
+            self.info_fields(event, kw)  # kw is ours to fill
+
+        def info_fields(self, event: str, fields: dict[str, Any]) -> None:
+            """info(event, **fields) without unpacking: `fields` is consumed."""
+            if self._context:
+                fields = {**self._context, **fields}
             fields["event"], fields["level"] = event, "info"
             fields["timestamp"] = stamp.format(time.time())
             self._logger.info(orjson.dumps(fields, default=repr))
 
     return LeanJson
+
+
+def info_writer(logger: Any) -> Callable[[str, dict[str, Any]], None]:
+    """`write(event, fields)`: an INFO line, straight to the lean JSON path when configured."""
+    direct = getattr(logger, "info_fields", None)
+    if direct is not None:
+        return cast(Callable[[str, dict[str, Any]], None], direct)
+    return lambda event, fields: logger.info(event, **fields)
 
 
 def configure(*, fmt: str = "auto", level: str = "info") -> BatchedLines | None:

@@ -7,8 +7,10 @@ which cost a twentieth of a cache hit. Point-in-time figures are ordinary Gauges
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
@@ -16,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+MINUTES = 15  # of per-minute counts kept for the status page
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                    10, 30, 60)
 _LE = [floatToGoString(b) for b in LATENCY_BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
@@ -45,9 +48,13 @@ class Buckets:
 
 
 class RequestTally(Collector):
-    """What finished requests did, counted without locks on the event loop's thread."""
+    """What finished requests did, counted without locks on the event loop's thread: the
+    Prometheus series, and the per-cache-status totals and minutes the status page shows."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self.by_cache: dict[str, int] = {}  # requests that reached the cache, by status
+        self._minutes: deque[tuple[int, dict[str, int]]] = deque(maxlen=MINUTES)
         self.requests: dict[tuple[str, str, str, int], int] = {}
         self.latency: dict[str, Buckets] = {}
         self.generation = Buckets()
@@ -65,6 +72,14 @@ class RequestTally(Collector):
         if latency is None:
             latency = self.latency[cache] = Buckets()
         latency.observe(seconds)
+        if not info:
+            return  # not an API request: no cache status, tokens or minutes to count
+        self.by_cache[cache] = self.by_cache.get(cache, 0) + 1
+        minute = int(self._clock() // 60)
+        if not self._minutes or self._minutes[-1][0] != minute:
+            self._minutes.append((minute, {}))
+        counts = self._minutes[-1][1]
+        counts[cache] = counts.get(cache, 0) + 1
         if cache == "HIT":
             self.saved_tokens += info.get("tokens", 0)
             self.saved_seconds += info.get("runner_ms", 0.0) / 1000
@@ -74,6 +89,10 @@ class RequestTally(Collector):
         elif cache in ("MISS", "BYPASS") and "runner_ms" in info:
             self.generation.observe(info["runner_ms"] / 1000)
             self.generated_tokens += info.get("tokens", 0)
+
+    def per_minute(self) -> list[dict[str, Any]]:
+        """[{minute (epoch s), HIT, MISS, ...}] oldest first, the last MINUTES minutes."""
+        return [{"minute": m * 60, **counts} for m, counts in self._minutes]
 
     def collect(self) -> Iterator[Metric]:
         """The metric families, built at scrape time."""

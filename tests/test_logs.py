@@ -106,3 +106,24 @@ def test_latency_histogram_matches_prometheus_client() -> None:
                 and not line.startswith("cacheproxy_request_seconds_created")}
 
     assert series(ours.render({})) == series(generate_latest(registry))
+
+
+def test_info_writer_takes_the_lean_path_or_falls_back(
+    json_lines: tuple[io.BytesIO, logs.BatchedLines],
+) -> None:
+    sink, batched = json_lines
+    write = logs.info_writer(structlog.get_logger("t").bind())
+    write("request", {"request_id": "r2", "status": 200})
+    structlog.get_logger("t").info("request", request_id="r2", status=200)
+    direct, through_info = _lines(sink, batched)
+    direct.pop("timestamp"), through_info.pop("timestamp")
+    assert direct == through_info
+
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    class PlainLogger:  # any logger without the lean path (e.g. the console renderer's)
+        def info(self, event: str, **fields: Any) -> None:
+            seen.append((event, fields))
+
+    logs.info_writer(PlainLogger())("request", {"status": 200})
+    assert seen == [("request", {"status": 200})]
