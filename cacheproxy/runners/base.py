@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,9 @@ class Generation:
     """A generation in progress: iterate its chunks; `output` is set once it finished."""
 
     def __init__(self) -> None:
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        # A deque and one waiter, not an asyncio.Queue: a put per token is on the miss path.
+        self._events: deque[Event] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self._loop = asyncio.get_running_loop()
         self.output: Output | None = None
         self.cancelled = False
@@ -45,11 +48,13 @@ class Generation:
 
     def push(self, event: Event) -> None:
         """Deliver an event from any thread."""
-        self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        self._loop.call_soon_threadsafe(self.put, event)
 
     def put(self, event: Event) -> None:
         """Deliver an event from the loop's own thread (no cross-thread wake-up per token)."""
-        self._events.put_nowait(event)
+        self._events.append(event)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def cancel(self) -> None:
         """Ask the producer to stop at its next token (or not to start)."""
@@ -57,8 +62,15 @@ class Generation:
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         """The chunks as they are generated; raises the runner's error if it failed."""
+        events = self._events
         while True:
-            event = await self._events.get()
+            while not events:
+                self._waiter = self._loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            event = events.popleft()
             if isinstance(event, Chunk):
                 yield event
             elif isinstance(event, Finished):

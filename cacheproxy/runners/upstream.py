@@ -34,8 +34,9 @@ from cacheproxy.errors import GenerationFailed, Overloaded, Unsupported, Upstrea
 from cacheproxy.runners.base import Failed, Finished, Generation, failure
 from cacheproxy.runners.mlx import ModelChanging
 from cacheproxy.runners.pool import Member, Pool, Retry, pick
-from cacheproxy.runners.upstream_http import Unreachable, UpstreamClient
-from cacheproxy.runners.upstream_wire import Reading, path, request_body
+from cacheproxy.runners.upstream_http import UpstreamClient
+from cacheproxy.runners.upstream_stream import Unreachable
+from cacheproxy.runners.upstream_wire import Delta, Reading, path, request_body
 from cacheproxy.watcher import Snapshot, snapshot
 
 log = structlog.get_logger("cacheproxy.upstream")
@@ -268,17 +269,20 @@ class UpstreamRunner:
         """
         pool, reading = self._live_pool(), Reading(generation, request.stop)
         self.generations += 1
+
+        def take(d: Delta) -> bool | None:
+            # Per token, where it arrives; a new system_fingerprint needs the task (None).
+            if member.identity is None or d.fingerprint != member.identity.raw:
+                return None
+            return generation.cancelled or reading.take(d)
+
         events = self._live_client().stream(member.url, path(request),
-                                            orjson.dumps(request_body(request)))
+                                            orjson.dumps(request_body(request)), take)
         try:
             async with aclosing(events):
-                async for d in events:
-                    if member.identity is None or d.fingerprint != member.identity.raw:
-                        await pool.reported(member, d.fingerprint, relayed=bool(reading.chunks))
-                    if generation.cancelled:
-                        return None
-                    if reading.take(d):
-                        break  # cut at a stop string: closing the stream stops the upstream
+                async for batch in events:
+                    if await self._take(member, batch, reading, generation):
+                        break  # closing the stream stops the upstream
         except Unreachable as exc:
             pool.down(member, exc.message)
             raise Retry(exc) from None
@@ -286,9 +290,23 @@ class UpstreamRunner:
             if not member.excluded:  # an excluded one answers, with another engine
                 pool.down(member, exc.message)
             raise
+        if generation.cancelled:
+            return None
         pool.up(member)
         member.served += 1
         return await self._finish(member, request, reading)
+
+    async def _take(self, member: Member, batch: list[Delta], reading: Reading,
+                    generation: Generation) -> bool:
+        """Check and relay deferred events; True to stop reading (cancelled, or cut at a
+        stop string)."""
+        for d in batch:
+            if member.identity is None or d.fingerprint != member.identity.raw:
+                await self._live_pool().reported(member, d.fingerprint,
+                                                 relayed=bool(reading.chunks))
+            if generation.cancelled or reading.take(d):
+                return True
+        return False
 
     async def _finish(self, member: Member, request: CanonicalRequest,
                       reading: Reading) -> Output:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -129,9 +129,8 @@ def parse_line(line: bytes) -> dict[str, Any] | object | None:
     return event
 
 
-@dataclass(frozen=True, slots=True)
-class Delta:
-    """What one stream event carries."""
+class Delta(NamedTuple):
+    """What one stream event carries (a tuple: one is built per token)."""
 
     text: str
     finish_reason: str | None
