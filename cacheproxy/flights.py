@@ -28,7 +28,8 @@ class Flight:
         self.followers = 0
         self.generation_ms: float | None = None
         self.revalidated: str | None = None  # "match" | "mismatch" after a no-cache refill
-        self._changed = asyncio.Event()
+        self._changed = asyncio.Event()  # replaced at every change: wakes every reader
+        self._ended = asyncio.Event()  # set once: wakes whole-answer readers only at the end
 
     @property
     def done(self) -> bool:
@@ -43,11 +44,13 @@ class Flight:
     def finish(self, output: Output, *, from_store: bool = False) -> None:
         """The fill completed."""
         self.output, self.from_store = output, from_store
+        self._ended.set()
         self._wake()
 
     def fail(self, error: ProxyError) -> None:
         """The fill failed; every reader gets this error."""
         self.error = error
+        self._ended.set()
         self._wake()
 
     def _wake(self) -> None:
@@ -60,6 +63,15 @@ class Flight:
             await self._changed.wait()
         if self.error is not None and not self.chunks:
             raise self.error
+
+    async def ended(self) -> Output:
+        """The output once the fill ends, without a wake-up per chunk; or its error."""
+        await self._ended.wait()
+        if self.error is not None:
+            raise self.error
+        if self.output is None:
+            raise RuntimeError("flight ended without output")
+        return self.output
 
     async def follow(self) -> AsyncIterator[Chunk]:
         """Every chunk from the first, then live ones, until the fill ends."""

@@ -161,11 +161,7 @@ async def _whole(answer: Answer) -> Output:
     flight = answer.flight
     if flight is None:
         raise RuntimeError("an answer without a record or a flight")
-    async for _ in flight.follow():
-        pass
-    if flight.output is None:
-        raise RuntimeError("flight ended without output")
-    return flight.output
+    return await flight.ended()
 
 
 async def _stream(request: web.Request, answer: Answer, frame: render.Frame,
