@@ -26,6 +26,10 @@ class LaneError(Exception):
     """The server answered with an error, or the connection broke or went silent."""
 
 
+class LaneTimeout(LaneError):
+    """No reply within the deadline: not retried (a stalled server costs one timeout)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Address:
     """Where and how to connect: what redis-py's pool was given for the same URL."""
@@ -58,8 +62,12 @@ class _Replies(asyncio.Protocol):
     def write_out(self) -> None:
         """Send the commands queued in this turn of the loop in one write."""
         out, self.outbox = self.outbox, []
-        if self.transport is not None:
+        if self.transport is None or self.transport.is_closing():
+            return  # connection_lost fails the waiters
+        try:
             self.transport.write(b"".join(out))
+        except (OSError, RuntimeError) as exc:  # uvloop: closed under us by a socket error
+            self.fail(LaneError(f"write failed: {exc!r}"))
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # a stream connection's
@@ -110,6 +118,8 @@ class GetLane:
                 replies = await self._connect()
             try:
                 reply = await self._send(replies, command(b"GET", key.encode()))
+            except LaneTimeout:
+                raise
             except LaneError:
                 if fresh or attempt == 2:
                     raise
@@ -127,6 +137,7 @@ class GetLane:
             self._replies.fail(LaneError("closed"))
         if self._watchdog is not None:
             self._watchdog.cancel()
+            self._watchdog = None
 
     def _send(self, replies: _Replies | None, request: bytes) -> Awaitable[object]:
         if replies is None or replies.transport is None or replies.transport.is_closing():
@@ -149,7 +160,7 @@ class GetLane:
             return
         late = time.monotonic() - replies.waiting[0][1]
         if late >= self._timeout:
-            replies.fail(LaneError(f"TimeoutError: no reply within {self._timeout:g}s"))
+            replies.fail(LaneTimeout(f"TimeoutError: no reply within {self._timeout:g}s"))
             return
         loop = asyncio.get_running_loop()
         self._watchdog = loop.call_later(self._timeout - late, self._check_deadline)
@@ -178,14 +189,17 @@ class GetLane:
         else:
             _, replies = await loop.create_connection(factory, a.host, a.port)
         hello = []
-        if a.password is not None:
+        if a.username or a.password is not None:  # as redis-py: AUTH [user] password
             user = [a.username.encode()] if a.username else []
-            hello.append(command(b"AUTH", *user, a.password.encode()))
+            hello.append(command(b"AUTH", *user, (a.password or "").encode()))
         if a.db:
             hello.append(command(b"SELECT", str(a.db).encode()))
-        for request in hello:
-            reply = await self._send(replies, request)
-            if isinstance(reply, hiredis.ReplyError):
-                replies.fail(LaneError(f"the server refused the connection set-up: {reply}"))
-                raise LaneError(f"the server refused the connection set-up: {reply}")
+        try:
+            for request in hello:
+                reply = await self._send(replies, request)
+                if isinstance(reply, hiredis.ReplyError):
+                    raise LaneError(f"the server refused the connection set-up: {reply}")
+        except BaseException as exc:  # refused, timed out or cancelled: close what we opened
+            replies.fail(exc if isinstance(exc, LaneError) else LaneError("set-up abandoned"))
+            raise
         return replies

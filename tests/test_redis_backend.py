@@ -332,18 +332,18 @@ class TestGetLane:
         self, start_redis: StartServer
     ) -> None:
         server = start_redis("--enable-debug-command", "yes")
-        store = open_redis(server.url + "/0?socket_timeout=0.2")
+        store = open_redis(server.url + "/0?socket_timeout=0.3")
         try:
             await store.set("k", b"v")
             assert await store.get("k") == b"v"
             with server.client() as client:
                 busy = asyncio.create_task(asyncio.to_thread(client.execute_command,
-                                                             "DEBUG", "SLEEP", "0.8"))
+                                                             "DEBUG", "SLEEP", "1.2"))
                 await asyncio.sleep(0.1)
                 started = time.monotonic()
                 with pytest.raises(BackendError, match="Timeout"):
                     await store.get("k")
-                assert time.monotonic() - started < 0.6
+                assert time.monotonic() - started < 0.55  # one deadline, not retried
                 await busy
             assert await store.get("k") == b"v"  # a new connection
         finally:
