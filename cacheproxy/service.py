@@ -164,9 +164,11 @@ class CachingProxy:
                 and self.breaker.closed):
             return False
         try:
-            now = await self.store.get(key)
-        except BackendError:
-            return False  # the full path asks again, then counts and handles the failure
+            now = await self._guarded(self.store.get(key))
+        except StoreUnavailable as exc:
+            # The breaker is open now: the full path answers without the store, and counts.
+            self._store_failed("get", key, exc, count=False)
+            return False
         return now is data or now == data
 
     async def _lookup(self, key: str, request: CanonicalRequest
@@ -224,8 +226,10 @@ class CachingProxy:
         self.breaker.succeeded()
         return result
 
-    def _store_failed(self, op: str, key: str, exc: StoreUnavailable) -> None:
-        self.counters["store_errors"] += 1
+    def _store_failed(self, op: str, key: str, exc: StoreUnavailable, *, count: bool = True
+                      ) -> None:
+        if count:
+            self.counters["store_errors"] += 1
         log.warning("store_unavailable", op=op, key=key[:16], error=str(exc),
                     breaker=self.breaker.state)
 

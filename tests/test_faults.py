@@ -233,6 +233,7 @@ async def test_store_outage_bypasses_then_hits_resume(runner: MlxRunner) -> None
             assert await ask() == "HIT"
             store.down = True
             assert [await ask() for _ in range(3)] == ["BYPASS; reason=store-unavailable"] * 3
+            assert app[PROXY].counters["store_errors"] == 3  # once per request, repeats too
             store.down = False
             await asyncio.sleep(0.4)  # the breaker's cooldown
             assert await ask() == "HIT"
