@@ -11,6 +11,7 @@ Order on a change of the model's files (seen by the watcher once they are stable
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -107,6 +108,10 @@ class Invalidator:
         finally:
             self._open.set()
         self.counters["reloads"] += 1
+        if gc.get_freeze_count():  # `cacheproxy serve` froze its start-up heap, old model too
+            gc.unfreeze()  # so that the replaced model can be collected
+            gc.collect()
+            gc.freeze()
         if new.digest != old:
             self.counters["fingerprint_changes"] += 1
             log.info("fingerprint_changed", old=old, new=new.digest)
