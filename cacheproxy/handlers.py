@@ -66,7 +66,7 @@ async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         info["tokens"] = answer.record.output.completion_tokens
         info["runner_ms"] = answer.record.provenance.get("generation_ms", 0.0)
         template = _hit_template(hot, answer, parsed)
-        if control is None and answer.stored is not None:
+        if control is None:
             _remember(hot.repeats, (endpoint, scope, raw), answer, template, headers, info,
                       proxy.runner.fingerprint())
         body = splice(template.body, hot.ids.next(endpoint), int(time.time()))

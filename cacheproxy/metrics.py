@@ -144,7 +144,6 @@ class Metrics:
         self.invalidation = Gauge("cacheproxy_invalidation_events",
                                   "Reloads, fingerprint changes and purges", ["event"],
                                   registry=r)
-        self.observe = self.tally.observe
 
     def render(self, gauges: dict[str, Any]) -> bytes:
         """The exposition text, with point-in-time gauges refreshed first."""

@@ -172,21 +172,35 @@ async def test_half_written_file_is_not_loaded_and_a_corrupt_one_keeps_the_old_m
     assert invalidator.counters["reload_failures"] == 1
 
 
-async def test_requests_during_a_reload_wait_and_key_under_the_new_fingerprint(
-    make_proxy: ProxyFactory, own_runner: list[MlxRunner], quantized: dict[int, Path],
-    tmp_path: Path,
-) -> None:
+async def _serving_q4(make_proxy: ProxyFactory, own_runner: list[MlxRunner],
+                      quantized: dict[int, Path], tmp_path: Path) -> tuple[MlxRunner, Proxy]:
+    """A proxy over a runner serving a copy of the 4-bit model in tmp_path/served."""
     served = tmp_path / "served"
     shutil.copytree(quantized[4], served)
     runner = await _start(own_runner, served)
-    proxy = await make_proxy(the_runner=runner, watch=False)
-    old = runner.fingerprint().digest
+    return runner, await make_proxy(the_runner=runner, watch=False)
+
+
+async def _during_a_reload_to_q8(proxy: Proxy, quantized: dict[int, Path], tmp_path: Path
+                                 ) -> tuple[int, dict[str, str]]:
+    """Swap the served files for the 8-bit model, reload, and send a request while the
+    reload holds the gate; its status and headers once the reload is done."""
     for name in ("config.json", "model.safetensors"):
-        shutil.copy2(quantized[8] / name, served / name)
+        shutil.copy2(quantized[8] / name, tmp_path / "served" / name)
     reload = asyncio.create_task(proxy.app[INVALIDATOR].reload())
     await asyncio.sleep(0)  # the reload has closed the gate
     status, headers, _ = await _complete(proxy)  # arrives during the reload: waits
     await reload
+    return status, headers
+
+
+async def test_requests_during_a_reload_wait_and_key_under_the_new_fingerprint(
+    make_proxy: ProxyFactory, own_runner: list[MlxRunner], quantized: dict[int, Path],
+    tmp_path: Path,
+) -> None:
+    runner, proxy = await _serving_q4(make_proxy, own_runner, quantized, tmp_path)
+    old = runner.fingerprint().digest
+    status, headers = await _during_a_reload_to_q8(proxy, quantized, tmp_path)
     assert status == 200
     assert headers["X-Cache-Fingerprint"] == runner.fingerprint().digest != old
 
@@ -195,19 +209,11 @@ async def test_a_remembered_hit_is_not_served_across_a_reload(
     make_proxy: ProxyFactory, own_runner: list[MlxRunner], quantized: dict[int, Path],
     tmp_path: Path,
 ) -> None:
-    served = tmp_path / "served"
-    shutil.copytree(quantized[4], served)
-    runner = await _start(own_runner, served)
-    proxy = await make_proxy(the_runner=runner, watch=False)
+    runner, proxy = await _serving_q4(make_proxy, own_runner, quantized, tmp_path)
     old = runner.fingerprint().digest
     statuses = [(await _complete(proxy))[1]["X-Cache"] for _ in range(3)]
     assert statuses == ["MISS", "HIT", "HIT"]  # the last one from the remembered hit
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy2(quantized[8] / name, served / name)
-    reload = asyncio.create_task(proxy.app[INVALIDATOR].reload())
-    await asyncio.sleep(0)  # the reload has closed the gate
-    status, headers, _ = await _complete(proxy)  # a repeat, during the reload: waits too
-    await reload
+    status, headers = await _during_a_reload_to_q8(proxy, quantized, tmp_path)  # a repeat
     assert status == 200 and headers["X-Cache"] == "MISS"
     assert headers["X-Cache-Fingerprint"] == runner.fingerprint().digest != old
     assert (await _complete(proxy))[1]["X-Cache"] == "HIT"

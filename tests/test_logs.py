@@ -16,11 +16,12 @@ from cacheproxy import logs
 from cacheproxy.metrics import LATENCY_BUCKETS, Metrics
 
 
-@pytest.fixture
-def json_lines(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[io.BytesIO, logs.BatchedLines]]:
+def _configure_json(monkeypatch: pytest.MonkeyPatch, level: str
+                    ) -> tuple[io.BytesIO, logs.BatchedLines]:
+    """logs.configure() in JSON mode, writing to a buffer the test can read."""
     sink = io.BytesIO()
 
-    class FakeStderr:  # configure() writes to sys.stderr.buffer; a buffer we can read
+    class FakeStderr:  # configure() writes to sys.stderr.buffer
         buffer = sink
 
         @staticmethod
@@ -28,9 +29,14 @@ def json_lines(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[io.BytesIO, lo
             return False
 
     monkeypatch.setattr("sys.stderr", FakeStderr)
-    batched = logs.configure(fmt="json", level="info")
+    batched = logs.configure(fmt="json", level=level)
     assert batched is not None
-    yield sink, batched
+    return sink, batched
+
+
+@pytest.fixture
+def json_lines(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[io.BytesIO, logs.BatchedLines]]:
+    yield _configure_json(monkeypatch, "info")
     structlog.reset_defaults()
 
 
@@ -71,19 +77,8 @@ def test_info_with_exc_info_or_arguments_takes_the_chain(
 
 
 def test_info_is_dropped_above_info_level(monkeypatch: pytest.MonkeyPatch) -> None:
-    sink = io.BytesIO()
-
-    class FakeStderr:
-        buffer = sink
-
-        @staticmethod
-        def isatty() -> bool:
-            return False
-
-    monkeypatch.setattr("sys.stderr", FakeStderr)
-    batched = logs.configure(fmt="json", level="warning")
+    sink, batched = _configure_json(monkeypatch, "warning")
     try:
-        assert batched is not None
         structlog.get_logger("t").info("request", status=200)
         structlog.get_logger("t").warning("store_unavailable")
         assert [line["event"] for line in _lines(sink, batched)] == ["store_unavailable"]
@@ -97,7 +92,7 @@ def test_latency_histogram_matches_prometheus_client() -> None:
     reference = Histogram("cacheproxy_request_seconds", "Request latency by cache status",
                           ["cache"], buckets=LATENCY_BUCKETS, registry=registry)
     for seconds in (0.0001, 0.0005, 0.0006, 0.001, 0.3, 60.0, 75.0):  # edges are inclusive
-        ours.observe("/v1/chat/completions", 200, seconds, {"cache": "HIT"})
+        ours.tally.observe("/v1/chat/completions", 200, seconds, {"cache": "HIT"})
         reference.labels("HIT").observe(seconds)
 
     def series(text: bytes) -> set[str]:
