@@ -14,7 +14,8 @@ from cacheproxy.codec import Chunk, Output
 from cacheproxy.errors import ProxyError
 from cacheproxy.fingerprint import Fingerprint
 from cacheproxy.flights import Flight
-from cacheproxy.hot import CREATED_MARK, ID_MARK, Repeat, Repeats, Template, splice
+from cacheproxy.hot import CREATED_MARK, ID_MARK, Repeat, Repeats, Template
+from cacheproxy.rendered import Rendered, header_lines
 from cacheproxy.service import Answer
 from cacheproxy.state import CACHE_LOG, HOT, IDENTITY, INVALIDATOR, PROXY, SETTINGS, STARTED, Hot
 from policies.cache_control import parse_cache_control, response_cache_control
@@ -43,7 +44,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     app = request.app
     proxy, hot, settings = app[PROXY], app[HOT], app[SETTINGS]
-    raw = await request.read()
+    raw = await _body(request)
     scope = request.get(IDENTITY, "") if settings.cache_scope == "per-key" else ""
     control = request.headers.get("Cache-Control")
     if control is None and (repeat := hot.repeats.get(endpoint, scope, raw)) is not None:
@@ -69,7 +70,7 @@ async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         if control is None:
             _remember(hot.repeats, (endpoint, scope, raw), answer, template, headers, info,
                       proxy.runner.fingerprint())
-        body = splice(template.body, hot.ids.next(endpoint), int(time.time()))
+        body = template.fill(hot.ids.next(endpoint), int(time.time()))
         return web.Response(body=body, headers=headers, content_type=template.content_type)
     frame = _frame(parsed, answer, hot.ids.next(endpoint), int(time.time()))
     if parsed.delivery.stream:
@@ -83,15 +84,28 @@ async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     return response
 
 
-def _repeat_hit(request: web.Request, repeat: Repeat, ttl: float | None) -> web.Response:
+async def _body(request: web.Request) -> bytes:
+    """The request body: taken as is when all of it has arrived (a small POST usually has),
+    else read as aiohttp reads it. Over client_max_size is a 413 either way."""
+    content = request.content
+    if not content.is_eof():
+        return await request.read()
+    raw = content.read_nowait()
+    if len(raw) > request.client_max_size:
+        raise web.HTTPRequestEntityTooLarge(max_size=request.client_max_size,
+                                            actual_size=len(raw))
+    return raw
+
+
+def _repeat_hit(request: web.Request, repeat: Repeat, ttl: float | None) -> Rendered:
     """A repeat of a request whose HIT is remembered: the same answer, nothing re-derived."""
     request[CACHE_LOG] = dict(repeat.log)
     now = time.time()
     age = max(0.0, now - repeat.created_at)
-    headers = {**repeat.headers, "Age": str(int(age)),
-               "Cache-Control": response_cache_control(stored=True, ttl=ttl, age=age)}
-    body = splice(repeat.template.body, request.app[HOT].ids.next(repeat.endpoint), int(now))
-    return web.Response(body=body, headers=headers, content_type=repeat.template.content_type)
+    control = response_cache_control(stored=True, ttl=ttl, age=age)
+    head = repeat.head + f"Age: {int(age)}\r\nCache-Control: {control}\r\n".encode()
+    body = repeat.template.fill(request.app[HOT].ids.next(repeat.endpoint), int(now))
+    return Rendered(head, body)
 
 
 def _remember(repeats: Repeats, memo_key: tuple[Endpoint, str, bytes], answer: Answer,
@@ -102,11 +116,12 @@ def _remember(repeats: Repeats, memo_key: tuple[Endpoint, str, bytes], answer: A
     if answer.record is None or answer.stored is None or serving.digest != answer.fingerprint:
         return
     endpoint, scope, raw = memo_key
-    fixed = {k: v for k, v in headers.items() if k not in ("Age", "Cache-Control")}
+    fixed = [(k, v) for k, v in headers.items() if k not in ("Age", "Cache-Control")]
     repeats.remember(endpoint, scope, raw, Repeat(
         fingerprint=serving, key=answer.key, data=answer.stored, endpoint=endpoint,
         created_at=float(answer.record.provenance.get("created_at", 0.0)),
-        template=template, headers=fixed, log=dict(info)))
+        template=template, head=header_lines([*fixed, ("Content-Type", template.content_type)]),
+        log=dict(info)))
 
 
 def _generation_info(info: dict[str, Any], answer: Answer) -> None:

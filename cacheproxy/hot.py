@@ -15,7 +15,7 @@ import itertools
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import orjson
@@ -118,10 +118,21 @@ _CREATED_BYTES = f'"created":{CREATED_MARK}'.encode()
 
 @dataclass(frozen=True, slots=True)
 class Template:
-    """A rendered hit body with the response id and creation time left to splice in."""
+    """A rendered hit body with the response id and creation time left to fill in."""
 
-    body: bytes
+    body: bytes  # with ID_MARK and CREATED_MARK where the values go
     content_type: str
+    # The body as a %-format: filling it is a third of the cost of two replaces.
+    _format: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Inside JSON strings quotes are escaped, so these byte runs only match the fields.
+        fmt = self.body.replace(b"%", b"%%").replace(_ID_BYTES, b'"id":"%(i)s"')
+        object.__setattr__(self, "_format", fmt.replace(_CREATED_BYTES, b'"created":%(c)d'))
+
+    def fill(self, response_id: str, created: int) -> bytes:
+        """The body with its response id and creation time."""
+        return self._format % {b"i": response_id.encode(), b"c": created}
 
 
 class HitTemplates:
@@ -135,15 +146,8 @@ class HitTemplates:
         known = self._memo.get(key)
         if known is None or known[0] is not source:
             known = (source, render())
-            self._memo.put(key, known, size=len(known[1].body))
+            self._memo.put(key, known, size=2 * len(known[1].body))  # body and format
         return known[1]
-
-
-def splice(template: bytes, response_id: str, created: int) -> bytes:
-    """A rendered hit body with its response id and creation time filled in."""
-    # Inside JSON strings quotes are escaped, so these byte runs only match the fields.
-    return template.replace(_ID_BYTES, f'"id":"{response_id}"'.encode()).replace(
-        _CREATED_BYTES, f'"created":{created}'.encode())
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +164,7 @@ class Repeat:
     endpoint: Endpoint
     created_at: float
     template: Template
-    headers: dict[str, str]  # all but Age and Cache-Control, which change with time
+    head: bytes  # header lines but Age and Cache-Control, which change with time
     log: dict[str, Any]  # the request's cache log fields (copied per request)
 
 
@@ -177,7 +181,7 @@ class Repeats:
     def remember(self, endpoint: Endpoint, scope: str, raw: bytes, repeat: Repeat) -> None:
         """Keep a hit for the repeats of a small request body."""
         if len(raw) <= MAX_MEMO_BODY:
-            size = len(raw) + len(repeat.data) + len(repeat.template.body)
+            size = len(raw) + len(repeat.data) + 2 * len(repeat.template.body)
             self._memo.put((endpoint, scope, raw), repeat, size=size)
 
     def forget(self, endpoint: Endpoint, scope: str, raw: bytes) -> None:

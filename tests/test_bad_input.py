@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -83,6 +84,51 @@ async def test_body_over_limit_is_413(make_proxy: ProxyFactory) -> None:
         assert error["code"] == "request_too_large" and "4096" in error["message"]
         async with session.post(proxy.url + CHAT, json=OK_BODY) as resp:
             assert resp.status == 200
+
+
+async def _raw_post(port: int, head: bytes, pieces: list[bytes]) -> tuple[int, bytes]:
+    """POST over a raw socket, the body in pieces with pauses between: status and body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head)
+        for piece in pieces:
+            await asyncio.sleep(0.05)  # the handler may run before the rest arrives
+            writer.write(piece)
+        status_line = await asyncio.wait_for(reader.readline(), 30)
+        headers = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        length = next(int(line.split(b":")[1]) for line in headers.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        return int(status_line.split()[1]), await reader.readexactly(length)
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("split", ["whole", "pieces", "chunked"])
+async def test_a_body_is_read_whole_in_pieces_or_chunked(make_proxy: ProxyFactory,
+                                                         split: str) -> None:
+    """The handler takes a body that has all arrived without awaiting, and reads the rest:
+    both give the same answers and the same 413 over the limit."""
+    proxy = await make_proxy(max_body_bytes=4096)
+    port = int(proxy.url.rsplit(":", 1)[1])
+    for content, status in [("Hello!", 200), ("x" * 5000, 413)]:
+        body = json.dumps({"messages": [{"role": "user", "content": content}]}).encode()
+        if split == "chunked":
+            head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" \
+                   b"Transfer-Encoding: chunked\r\n\r\n"
+            pieces = [b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:10], body[10:])]
+            pieces.append(b"0\r\n\r\n")
+        else:
+            head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" \
+                   b"Content-Length: %d\r\n\r\n" % len(body)
+            pieces = [body] if split == "whole" else [body[:10], body[10:20], body[20:]]
+        if split == "whole":
+            head, pieces = head + body, []
+        got, answer = await _raw_post(port, head, pieces)
+        assert got == status, answer
+        if status == 200:
+            assert json.loads(answer)["choices"][0]["message"]["content"]
+        else:
+            assert json.loads(answer)["error"]["code"] == "request_too_large"
 
 
 async def test_stream_request_with_bad_input_is_a_plain_http_error(

@@ -13,6 +13,7 @@ from multidict import CIMultiDict
 
 from cacheproxy import codec
 from cacheproxy.canonical import Parsed
+from cacheproxy.hot import CREATED_MARK, ID_MARK, Template
 from cacheproxy.state import HOT, PROXY
 from tests.conftest import Proxy, ProxyFactory
 
@@ -114,3 +115,15 @@ async def test_an_open_breaker_is_not_bypassed_by_a_repeat(make_proxy: ProxyFact
     proxy.app[PROXY].breaker.failed()  # as after a store failure on another request
     again, _ = await _post(proxy)
     assert again["X-Cache"] == "BYPASS; reason=store-unavailable"
+
+
+def test_a_template_fills_every_id_and_time_and_keeps_percent_signs() -> None:
+    def event(content: str) -> bytes:
+        return b"data: " + json.dumps({"id": ID_MARK, "created": CREATED_MARK,
+                                        "content": content}, separators=(",", ":")).encode()
+
+    body = event("100%(i)s sure, 5%") + b"\n\n" + event("%d%%") + b"\n\n"
+    filled = Template(body, "text/event-stream").fill("chatcmpl-x1", 1796010318)
+    events = [json.loads(line[6:]) for line in filled.split(b"\n\n") if line]
+    assert [e["content"] for e in events] == ["100%(i)s sure, 5%", "%d%%"]
+    assert {(e["id"], e["created"]) for e in events} == {("chatcmpl-x1", 1796010318)}

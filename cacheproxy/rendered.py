@@ -1,0 +1,109 @@
+"""Responses whose head and body are rendered to bytes in advance, written in one call.
+
+aiohttp's StreamResponse builds a CIMultiDict, checks and serializes every header and
+writes head and body through its stream writer on every response; measured on a cache
+HIT (wrk, c=16) that cost 14 µs of 48 per request, more than everything else aiohttp
+does. A repeated HIT knows its status, headers and body up front except for a few
+values (request id, Age, Date), so `Rendered` takes the header block as bytes and only
+renders those few per request. It follows what StreamResponse does for the same
+response: the request's HTTP version on the status line, the Connection header and
+keep-alive decision, Content-Length, Date and Server, headers set after construction
+(the edge's X-Request-Id) and CR/LF in a header refused.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from email.utils import formatdate
+from functools import lru_cache
+
+from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http import SERVER_SOFTWARE, HttpVersion10, HttpVersion11
+
+_SERVER = f"Server: {SERVER_SOFTWARE}\r\n".encode()
+
+
+class HttpDate:
+    """The Date header value (RFC 9110 IMF-fixdate), formatted once a second."""
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._value = b""
+
+    def now(self) -> bytes:
+        """`Date: …\\r\\n` for the current second."""
+        second = int(time.time())
+        if second != self._second:
+            self._second = second
+            self._value = f"Date: {formatdate(second, usegmt=True)}\r\n".encode()
+        return self._value
+
+
+_date = HttpDate()
+
+
+def header_lines(headers: Iterable[tuple[str, str]]) -> bytes:
+    """`Name: value\\r\\n` lines; ValueError on CR or LF (header injection)."""
+    lines = []
+    for name, value in headers:
+        if "\r" in name or "\n" in name or "\r" in value or "\n" in value:
+            raise ValueError(f"header {name!r} holds CR or LF")
+        lines.append(f"{name}: {value}\r\n")
+    return "".join(lines).encode()
+
+
+@lru_cache(maxsize=64)
+def _status_line(major: int, minor: int, status: int, reason: str) -> bytes:
+    return f"HTTP/{major}.{minor} {status} {reason}\r\n".encode()
+
+
+class Rendered(web.StreamResponse):
+    """A response from a pre-rendered header block and body.
+
+    `head` holds `Name: value\\r\\n` lines (from `header_lines`) without Content-Length,
+    Date, Server and Connection, which are added when it is sent.
+    """
+
+    def __init__(self, head: bytes, body: bytes, *, status: int = 200) -> None:
+        super().__init__(status=status)
+        self._head = head
+        self._rendered = body
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        """Write the whole response, head and body, in one call."""
+        if self._eof_sent:
+            return None
+        if self._payload_writer is not None:
+            return self._payload_writer
+        version = request.version
+        keep_alive = request.keep_alive if self._keep_alive is None else self._keep_alive
+        self._keep_alive = keep_alive
+        connection = b""
+        if keep_alive and version == HttpVersion10:
+            connection = b"Connection: keep-alive\r\n"
+        elif not keep_alive and version == HttpVersion11:
+            connection = b"Connection: close\r\n"
+        body = self._rendered
+        data = b"".join((
+            _status_line(version.major, version.minor, self.status, self.reason), self._head,
+            header_lines(self.headers.items()) if self.headers else b"", connection,
+            b"Content-Length: %d\r\n" % len(body), _date.now(), _SERVER, b"\r\n", body))
+        self._req = request
+        writer = self._payload_writer = request.writer
+        await writer.write_eof(data)  # writes, then drains as StreamResponse does
+        return writer
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        """Mark the response finished (prepare wrote all of it)."""
+        if data:
+            raise ValueError("a rendered response takes no more data")
+        if self._eof_sent:
+            return
+        if self._payload_writer is None:
+            raise RuntimeError("the response has not been prepared")
+        self._eof_sent = True
+        self._req = None
+        self._body_length = len(self._rendered)
+        self._payload_writer = None

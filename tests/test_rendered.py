@@ -1,0 +1,124 @@
+"""Pre-rendered responses on the wire: what a client reads is what aiohttp's own Response
+would have sent (status line, headers, keep-alive, pipelining), over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from aiohttp.test_utils import TestServer, make_mocked_request
+
+from cacheproxy.rendered import Rendered, header_lines
+from tests.conftest import free_port
+
+BODY = b'{"answer":"The fox eats bones. 100% sure."}'
+HEADERS = {"X-Cache": "HIT", "Cache-Control": "max-age=60", "Content-Type": "application/json"}
+
+Fetch = Callable[[bytes], Awaitable[tuple[list[bytes], bool]]]
+
+
+async def _aiohttp_response(request: web.Request) -> web.StreamResponse:
+    await request.read()
+    response = web.Response(body=BODY, headers=HEADERS)
+    response.headers["X-Request-Id"] = "req-1"  # as the edge adds it, after the handler
+    return response
+
+
+async def _rendered_response(request: web.Request) -> web.StreamResponse:
+    await request.read()
+    response = Rendered(header_lines(HEADERS.items()), BODY)
+    response.headers["X-Request-Id"] = "req-1"
+    return response
+
+
+@pytest_asyncio.fixture
+async def servers() -> AsyncIterator[dict[str, int]]:
+    """Two real servers answering the same response: aiohttp's Response and Rendered."""
+    started = []
+    for handler in (_aiohttp_response, _rendered_response):
+        app = web.Application()
+        app.router.add_post("/", handler)
+        server = TestServer(app, host="127.0.0.1", port=free_port())
+        await server.start_server()
+        started.append(server)
+    yield {"aiohttp": started[0].port, "rendered": started[1].port}
+    for server in started:
+        await server.close()
+
+
+async def _exchange(port: int, request: bytes, responses: int = 1) -> tuple[list[bytes], bool]:
+    """Send raw bytes; read `responses` responses, then whether the server closed."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        out = []
+        for _ in range(responses):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            out.append(head + await asyncio.wait_for(reader.readexactly(length), 5))
+        try:
+            closed = await asyncio.wait_for(reader.read(1), 0.3) == b""
+        except TimeoutError:
+            closed = False
+        return out, closed
+    finally:
+        writer.close()
+
+
+def _parsed(raw: bytes) -> tuple[bytes, dict[bytes, bytes], bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status, *lines = head.split(b"\r\n")
+    headers = dict(line.split(b": ", 1) for line in lines)
+    assert len(headers) == len(lines), "a header appears twice"
+    headers.pop(b"Date")  # the second may differ; checked for shape below
+    return status, {k.lower(): v for k, v in headers.items()}, body
+
+
+def _post(version: str, *extra: str) -> bytes:
+    lines = [f"POST / HTTP/{version}", "Host: x", f"Content-Length: {len(b'{}')}", *extra]
+    return ("\r\n".join(lines) + "\r\n\r\n{}").encode()
+
+
+@pytest.mark.parametrize(("request_bytes", "closes"), [
+    (_post("1.1"), False),
+    (_post("1.1", "Connection: close"), True),
+    (_post("1.0"), True),
+    (_post("1.0", "Connection: keep-alive"), False),
+], ids=["1.1", "1.1-close", "1.0", "1.0-keep-alive"])
+async def test_the_wire_bytes_are_aiohttps(servers: dict[str, int], request_bytes: bytes,
+                                           closes: bool) -> None:
+    (expected,), expected_closed = await _exchange(servers["aiohttp"], request_bytes)
+    (got,), got_closed = await _exchange(servers["rendered"], request_bytes)
+    assert _parsed(got) == _parsed(expected)
+    assert (got_closed, expected_closed) == (closes, closes)
+    date = next(line for line in got.split(b"\r\n") if line.startswith(b"Date: "))
+    assert date.endswith(b" GMT") and len(date) == len(b"Date: Mon, 30 Nov 2026 03:52:51 GMT")
+
+
+async def test_pipelined_requests_get_their_responses_in_order(servers: dict[str, int]) -> None:
+    responses, closed = await _exchange(servers["rendered"], _post("1.1") * 3, responses=3)
+    assert [_parsed(r)[2] for r in responses] == [BODY] * 3
+    assert not closed
+
+
+def test_header_lines_refuse_cr_and_lf() -> None:
+    assert header_lines([("A", "1"), ("B", "two")]) == b"A: 1\r\nB: two\r\n"
+    for bad in [("A", "1\r\nInjected: yes"), ("A", "1\nB: 2"), ("A\r", "1")]:
+        with pytest.raises(ValueError, match="CR or LF"):
+            header_lines([bad])
+
+
+async def test_a_header_added_later_is_checked_too() -> None:
+    response = Rendered(b"", BODY)
+    response.headers["X-Request-Id"] = "a\nb"
+    with pytest.raises(ValueError, match="CR or LF"):
+        await response.prepare(make_mocked_request("POST", "/"))
+
+
+async def test_write_eof_before_prepare_is_an_error() -> None:
+    with pytest.raises(RuntimeError, match="not been prepared"):
+        await Rendered(b"", BODY).write_eof()
