@@ -27,7 +27,7 @@ from cacheproxy.errors import (
     RouteNotFound,
     StoreDown,
 )
-from cacheproxy.logs import info_writer
+from cacheproxy.logs import access_writer
 from cacheproxy.state import CACHE_LOG, SETTINGS
 
 log = structlog.get_logger("cacheproxy.access")
@@ -65,7 +65,7 @@ def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
     """Wrap a route handler: request id, guard (auth), in-flight bound, error mapping,
     then one access log line and the metrics of the finished request."""
 
-    access = info_writer(log.bind())  # a concrete logger once configured: no lazy proxy
+    access = access_writer(log.bind())  # a concrete logger once configured: no lazy proxy
     fixed_path = endpoint if "{" not in endpoint else ""  # a templated route logs its path
 
     @wraps(handler)
@@ -101,9 +101,8 @@ def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
         seconds = time.monotonic() - started
         info = request.get(CACHE_LOG, {})
         status = response.status
-        access("request", {"request_id": request_id, "method": request.method,
-                           "path": fixed_path or request.path, "status": status,
-                           "total_ms": round(seconds * 1000, 2), **info})
+        total_ms = int(seconds * 100_000 + 0.5) / 100  # round(x, 2) costs four times this
+        access(request_id, request.method, fixed_path or request.path, status, total_ms, info)
         if observe is not None:
             observe(endpoint or request.path, status, seconds, info)
         return response

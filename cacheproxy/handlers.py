@@ -15,6 +15,7 @@ from cacheproxy.errors import ProxyError
 from cacheproxy.fingerprint import Fingerprint
 from cacheproxy.flights import Flight
 from cacheproxy.hot import CREATED_MARK, ID_MARK, Repeat, Repeats, Template
+from cacheproxy.logs import SharedFields
 from cacheproxy.rendered import Rendered, header_lines
 from cacheproxy.service import Answer
 from cacheproxy.state import CACHE_LOG, HOT, IDENTITY, INVALIDATOR, PROXY, SETTINGS, STARTED, Hot
@@ -99,7 +100,7 @@ async def _body(request: web.Request) -> bytes:
 
 def _repeat_hit(request: web.Request, repeat: Repeat, ttl: float | None) -> Rendered:
     """A repeat of a request whose HIT is remembered: the same answer, nothing re-derived."""
-    request[CACHE_LOG] = dict(repeat.log)
+    request[CACHE_LOG] = repeat.log
     now = time.time()
     age = max(0.0, now - repeat.created_at)
     control = response_cache_control(stored=True, ttl=ttl, age=age)
@@ -121,7 +122,7 @@ def _remember(repeats: Repeats, memo_key: tuple[Endpoint, str, bytes], answer: A
         fingerprint=serving, key=answer.key, data=answer.stored, endpoint=endpoint,
         created_at=float(answer.record.provenance.get("created_at", 0.0)),
         template=template, head=header_lines([*fixed, ("Content-Type", template.content_type)]),
-        log=dict(info)))
+        log=SharedFields(info)))
 
 
 def _generation_info(info: dict[str, Any], answer: Answer) -> None:

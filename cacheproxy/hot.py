@@ -16,12 +16,13 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import orjson
 
 from cacheproxy.canonical import Endpoint, Parsed, RunnerDefaults, parse
 from cacheproxy.errors import InvalidRequest
+from cacheproxy.logs import SharedFields
 from policies.sampling import SamplingMode
 
 K = TypeVar("K", bound=Hashable)
@@ -165,7 +166,7 @@ class Repeat:
     created_at: float
     template: Template
     head: bytes  # header lines but Age and Cache-Control, which change with time
-    log: dict[str, Any]  # the request's cache log fields (copied per request)
+    log: SharedFields  # the request's cache log fields
 
 
 class Repeats:

@@ -36,7 +36,7 @@ class IsoTimestamp:
         if second != self._second:
             self._second = second
             self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-        return f"{self._prefix}.{int((now - second) * 1e6):06d}Z"
+        return "%s.%06dZ" % (self._prefix, (now - second) * 1e6)  # noqa: UP031 (a third faster)
 
     def __call__(self, _: Any, __: str, event: MutableMapping[str, Any]
                  ) -> MutableMapping[str, Any]:
@@ -78,6 +78,31 @@ class BatchedLines:
             pass  # a closed or broken stderr must never break a request
 
 
+ACCESS_KEYS = ("request_id", "method", "path", "status", "total_ms")
+
+
+class SharedFields(dict[str, Any]):
+    """Cache log fields shared by the requests of one repeated answer, read-only: their JSON
+    is rendered once, and the access line splices it in."""
+
+    __slots__ = ("json",)
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        if any(key in fields for key in (*ACCESS_KEYS, "event", "level", "timestamp")):
+            raise ValueError(f"cache log fields may not set the access line's own: {fields}")
+        super().__init__(fields)
+        self.json = b"," + orjson.dumps(fields, default=repr)[1:-1] if fields else b""
+
+    def _read_only(self, *_: Any, **__: Any) -> Any:
+        raise TypeError("shared log fields are read-only")
+
+    __setitem__ = __delitem__ = __ior__ = update = setdefault = pop = popitem = clear = \
+        _read_only
+
+
+AccessWriter = Callable[[str, str, str, int, float, dict[str, Any]], None]
+
+
 def _lean_json_logger(numeric: int, stamp: IsoTimestamp) -> type[Any]:
     """The filtering logger of `numeric`, whose info() renders the JSON line directly.
 
@@ -103,15 +128,36 @@ def _lean_json_logger(numeric: int, stamp: IsoTimestamp) -> type[Any]:
             fields["timestamp"] = stamp.format(time.time())
             self._logger.info(orjson.dumps(fields, default=repr))
 
+        def access(self, request_id: str, method: str, path: str, status: int,
+                   total_ms: float, info: dict[str, Any]) -> None:
+            """The access line: ACCESS_KEYS, then the cache log fields."""
+            if type(info) is not SharedFields or self._context:
+                self.info_fields("request", {
+                    "request_id": request_id, "method": method, "path": path,
+                    "status": status, "total_ms": total_ms, **info})
+                return
+            head = orjson.dumps({"request_id": request_id, "method": method, "path": path,
+                                 "status": status, "total_ms": total_ms})
+            self._logger.info(b"".join((
+                head[:-1], info.json, b',"event":"request","level":"info","timestamp":"',
+                stamp.format(time.time()).encode(), b'"}')))
+
     return LeanJson
 
 
-def info_writer(logger: Any) -> Callable[[str, dict[str, Any]], None]:
-    """`write(event, fields)`: an INFO line, straight to the lean JSON path when configured."""
-    direct = getattr(logger, "info_fields", None)
+def access_writer(logger: Any) -> AccessWriter:
+    """`write(request_id, method, path, status, total_ms, info)`: the access line, straight
+    to the lean JSON path when configured."""
+    direct = getattr(logger, "access", None)
     if direct is not None:
-        return cast(Callable[[str, dict[str, Any]], None], direct)
-    return lambda event, fields: logger.info(event, **fields)
+        return cast(AccessWriter, direct)
+
+    def write(request_id: str, method: str, path: str, status: int, total_ms: float,
+              info: dict[str, Any]) -> None:
+        logger.info("request", request_id=request_id, method=method, path=path,
+                    status=status, total_ms=total_ms, **info)
+
+    return write
 
 
 def configure(*, fmt: str = "auto", level: str = "info") -> BatchedLines | None:

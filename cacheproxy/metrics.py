@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -53,10 +53,10 @@ class RequestTally(Collector):
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
-        self.by_cache: dict[str, int] = {}  # requests that reached the cache, by status
+        self.by_cache: defaultdict[str, int] = defaultdict(int)  # requests by cache status
         self._minutes: deque[tuple[int, dict[str, int]]] = deque(maxlen=MINUTES)
-        self.requests: dict[tuple[str, str, str, int], int] = {}
-        self.latency: dict[str, Buckets] = {}
+        self.requests: defaultdict[tuple[str, str, str, int], int] = defaultdict(int)
+        self.latency: defaultdict[str, Buckets] = defaultdict(Buckets)
         self.generation = Buckets()
         self.generated_tokens = 0
         self.saved_tokens = 0
@@ -66,16 +66,14 @@ class RequestTally(Collector):
     def observe(self, endpoint: str, status: int, seconds: float, info: dict[str, Any]) -> None:
         """One finished request (info is the request's cache log fields)."""
         cache = info.get("cache", "NONE")
-        labels = (endpoint, cache, info.get("reason", ""), status)
-        self.requests[labels] = self.requests.get(labels, 0) + 1
-        latency = self.latency.get(cache)
-        if latency is None:
-            latency = self.latency[cache] = Buckets()
-        latency.observe(seconds)
+        self.requests[endpoint, cache, info.get("reason", ""), status] += 1
+        latency = self.latency[cache]  # Buckets.observe, inline: this runs per request
+        latency.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        latency.total += seconds
         if not info:
             return  # not an API request: no cache status, tokens or minutes to count
-        self.by_cache[cache] = self.by_cache.get(cache, 0) + 1
-        minute = int(self._clock() // 60)
+        self.by_cache[cache] += 1
+        minute = int(self._clock()) // 60
         if not self._minutes or self._minutes[-1][0] != minute:
             self._minutes.append((minute, {}))
         counts = self._minutes[-1][1]

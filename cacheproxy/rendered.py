@@ -46,12 +46,12 @@ _date = HttpDate()
 
 def header_lines(headers: Iterable[tuple[str, str]]) -> bytes:
     """`Name: value\\r\\n` lines; ValueError on CR or LF (header injection)."""
-    lines = []
+    text = ""
     for name, value in headers:
         if "\r" in name or "\n" in name or "\r" in value or "\n" in value:
             raise ValueError(f"header {name!r} holds CR or LF")
-        lines.append(f"{name}: {value}\r\n")
-    return "".join(lines).encode()
+        text += f"{name}: {value}\r\n"
+    return text.encode()
 
 
 @lru_cache(maxsize=64)

@@ -103,16 +103,30 @@ def test_latency_histogram_matches_prometheus_client() -> None:
     assert series(ours.render({})) == series(generate_latest(registry))
 
 
-def test_info_writer_takes_the_lean_path_or_falls_back(
-    json_lines: tuple[io.BytesIO, logs.BatchedLines],
+ACCESS = ("r2", "POST", "/v1/chat/completions", 200, 0.07)
+ACCESS_FIELDS = dict(zip(logs.ACCESS_KEYS, ACCESS, strict=True))
+INFO = {"cache": "HIT", "reason": "greedy", "key": "5ad7a78\u00e9", "tokens": 12,
+        "runner_ms": 32.693}
+
+
+@pytest.mark.parametrize("info", [INFO, {}], ids=["fields", "no-fields"])
+def test_access_lines_are_the_same_whichever_path_renders_them(
+    json_lines: tuple[io.BytesIO, logs.BatchedLines], info: dict[str, Any],
 ) -> None:
+    """Shared fields are spliced in as pre-rendered JSON; a plain dict goes through
+    info_fields; a logger without the lean path gets keyword arguments."""
     sink, batched = json_lines
-    write = logs.info_writer(structlog.get_logger("t").bind())
-    write("request", {"request_id": "r2", "status": 200})
-    structlog.get_logger("t").info("request", request_id="r2", status=200)
-    direct, through_info = _lines(sink, batched)
-    direct.pop("timestamp"), through_info.pop("timestamp")
-    assert direct == through_info
+    write = logs.access_writer(structlog.get_logger("t").bind())
+    write(*ACCESS, logs.SharedFields(info))
+    write(*ACCESS, dict(info))
+    structlog.get_logger("t").info("request", **ACCESS_FIELDS, **info)
+    batched.flush()
+    raw = sink.getvalue().splitlines()
+    shared, plain, through_info = (orjson.loads(line) for line in raw)
+    assert list(shared) == list(plain) == list(through_info)  # same keys, same order
+    stamps = [line.pop("timestamp") for line in (shared, plain, through_info)]
+    assert shared == plain == through_info
+    assert raw[0].replace(stamps[0].encode(), b"") == raw[1].replace(stamps[1].encode(), b"")
 
     seen: list[tuple[str, dict[str, Any]]] = []
 
@@ -120,5 +134,16 @@ def test_info_writer_takes_the_lean_path_or_falls_back(
         def info(self, event: str, **fields: Any) -> None:
             seen.append((event, fields))
 
-    logs.info_writer(PlainLogger())("request", {"status": 200})
-    assert seen == [("request", {"status": 200})]
+    logs.access_writer(PlainLogger())(*ACCESS, logs.SharedFields(info))
+    assert seen == [("request", {**ACCESS_FIELDS, **info})]
+
+
+def test_shared_fields_are_read_only_and_keep_to_their_own_keys() -> None:
+    fields = logs.SharedFields({"cache": "HIT"})
+    with pytest.raises(TypeError, match="read-only"):
+        fields["client"] = "gone"
+    with pytest.raises(TypeError, match="read-only"):
+        fields.update(client="gone")
+    assert fields == {"cache": "HIT"}
+    with pytest.raises(ValueError, match="access line"):
+        logs.SharedFields({"status": 500})
