@@ -16,6 +16,7 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from multidict import istr
 
 from backends.base import BackendError
 from cacheproxy.errors import (
@@ -28,6 +29,7 @@ from cacheproxy.errors import (
     StoreDown,
 )
 from cacheproxy.logs import access_writer
+from cacheproxy.rendered import Rendered
 from cacheproxy.state import CACHE_LOG, SETTINGS
 
 log = structlog.get_logger("cacheproxy.access")
@@ -35,6 +37,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Guard = Callable[[web.Request], object]
 Observe = Callable[[str, int, float, dict[str, Any]], None]
 
+X_REQUEST_ID = istr("X-Request-Id")
 _ID_PREFIX = os.urandom(6).hex()
 _ids = itertools.count()
 
@@ -71,7 +74,7 @@ def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
     @wraps(handler)
     async def wrapped(request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
-        request_id = request.headers.get("X-Request-Id") or f"{_ID_PREFIX}{next(_ids):010x}"
+        request_id = request.headers.get(X_REQUEST_ID) or f"{_ID_PREFIX}{next(_ids):010x}"
         counted = False
         try:
             if guard is not None:
@@ -96,8 +99,10 @@ def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
         finally:
             if counted and limits is not None:
                 limits.in_flight -= 1
-        if not response.prepared:
-            response.headers["X-Request-Id"] = request_id
+        if type(response) is Rendered:
+            response.request_id = request_id
+        elif not response.prepared:
+            response.headers[X_REQUEST_ID] = request_id
         seconds = time.monotonic() - started
         info = request.get(CACHE_LOG, {})
         status = response.status

@@ -24,13 +24,15 @@ async def _aiohttp_response(request: web.Request) -> web.StreamResponse:
     await request.read()
     response = web.Response(body=BODY, headers=HEADERS)
     response.headers["X-Request-Id"] = "req-1"  # as the edge adds it, after the handler
+    response.headers["X-Later"] = "yes"
     return response
 
 
 async def _rendered_response(request: web.Request) -> web.StreamResponse:
     await request.read()
     response = Rendered(header_lines(HEADERS.items()), BODY)
-    response.headers["X-Request-Id"] = "req-1"
+    response.request_id = "req-1"  # what the edge sets on a Rendered
+    response.headers["X-Later"] = "yes"  # any other header added after construction
     return response
 
 
@@ -112,11 +114,15 @@ def test_header_lines_refuse_cr_and_lf() -> None:
             header_lines([bad])
 
 
-async def test_a_header_added_later_is_checked_too() -> None:
-    response = Rendered(b"", BODY)
-    response.headers["X-Request-Id"] = "a\nb"
-    with pytest.raises(ValueError, match="CR or LF"):
-        await response.prepare(make_mocked_request("POST", "/"))
+async def test_a_header_or_request_id_added_later_is_checked_too() -> None:
+    for late in ("header", "request_id"):
+        response = Rendered(b"", BODY)
+        if late == "header":
+            response.headers["X-Later"] = "a\nb"
+        else:
+            response.request_id = "a\rb"
+        with pytest.raises(ValueError, match="CR or LF"):
+            await response.prepare(make_mocked_request("POST", "/"))
 
 
 async def test_write_eof_before_prepare_is_an_error() -> None:

@@ -65,6 +65,8 @@ async def test_a_repeat_answers_as_the_full_path_did(
     assert (miss["X-Cache"], full["X-Cache"], again["X-Cache"]) == ("MISS", "HIT", "HIT")
     assert {k: again[k] for k in SAME_EVERY_TIME} == {k: full[k] for k in SAME_EVERY_TIME}
     assert again["X-Request-Id"] != full["X-Request-Id"]
+    named, _ = await _post(proxy, body, headers={"X-Request-Id": "client-chose-this"})
+    assert (named["X-Cache"], named["X-Request-Id"]) == ("HIT", "client-chose-this")
     assert _without_id_and_time(again_body) == _without_id_and_time(full_body)
     assert json.loads(again_body.split(b"\n")[0].removeprefix(b"data: "))["id"] != \
         json.loads(full_body.split(b"\n")[0].removeprefix(b"data: "))["id"]
