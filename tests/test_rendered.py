@@ -43,6 +43,7 @@ async def servers() -> AsyncIterator[dict[str, int]]:
     for handler in (_aiohttp_response, _rendered_response):
         app = web.Application()
         app.router.add_post("/", handler)
+        app.router.add_route("HEAD", "/", handler)
         server = TestServer(app, host="127.0.0.1", port=free_port())
         await server.start_server()
         started.append(server)
@@ -105,6 +106,26 @@ async def test_pipelined_requests_get_their_responses_in_order(servers: dict[str
     responses, closed = await _exchange(servers["rendered"], _post("1.1") * 3, responses=3)
     assert [_parsed(r)[2] for r in responses] == [BODY] * 3
     assert not closed
+
+
+async def test_an_answer_to_head_has_the_headers_and_no_body(servers: dict[str, int]) -> None:
+    request = b"HEAD / HTTP/1.1\r\nHost: x\r\n\r\n"
+    heads = {}
+    for name, port in servers.items():
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request)
+        heads[name] = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(reader.read(1), 0.3)  # nothing after the head
+        writer.close()
+    assert _parsed(heads["rendered"]) == _parsed(heads["aiohttp"])
+    assert b"Content-Length: %d" % len(BODY) in heads["rendered"]
+
+
+def test_statuses_without_a_body_are_refused() -> None:
+    for status in (101, 204, 304):
+        with pytest.raises(ValueError, match="carries no body"):
+            Rendered(b"", b"", status=status)
 
 
 def test_header_lines_refuse_cr_and_lf() -> None:
