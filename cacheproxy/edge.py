@@ -74,7 +74,9 @@ def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
     @wraps(handler)
     async def wrapped(request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
-        request_id = request.headers.get(X_REQUEST_ID) or f"{_ID_PREFIX}{next(_ids):010x}"
+        request_id = request.headers.get(X_REQUEST_ID, "")
+        if not request_id or not request_id.isprintable():  # a client's own id, if printable
+            request_id = f"{_ID_PREFIX}{next(_ids):010x}"
         counted = False
         try:
             if guard is not None:

@@ -92,7 +92,7 @@ async def _body(request: web.Request) -> bytes:
     if not content.is_eof():
         return await request.read()
     raw = content.read_nowait()
-    if len(raw) > request.client_max_size:
+    if request.client_max_size and len(raw) > request.client_max_size:  # 0: no limit
         raise web.HTTPRequestEntityTooLarge(max_size=request.client_max_size,
                                             actual_size=len(raw))
     return raw

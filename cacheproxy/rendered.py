@@ -15,6 +15,7 @@ or 304).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable
 from email.utils import formatdate
@@ -46,12 +47,16 @@ class HttpDate:
 _date = HttpDate()
 
 
+# What aiohttp refuses in a header name or value (CR and LF would inject headers).
+_FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
 def header_lines(headers: Iterable[tuple[str, str]]) -> bytes:
-    """`Name: value\\r\\n` lines; ValueError on CR or LF (header injection)."""
+    """`Name: value\\r\\n` lines; ValueError on a control character (CR, LF, NUL...)."""
     text = ""
     for name, value in headers:
-        if "\r" in name or "\n" in name or "\r" in value or "\n" in value:
-            raise ValueError(f"header {name!r} holds CR or LF")
+        if _FORBIDDEN.search(name) or _FORBIDDEN.search(value):
+            raise ValueError(f"header {name!r} holds a control character such as CR or LF")
         text += f"{name}: {value}\r\n"
     return text.encode()
 
@@ -65,8 +70,10 @@ class Rendered(web.StreamResponse):
     """A response from a pre-rendered header block and body.
 
     `head` holds `Name: value\\r\\n` lines (from `header_lines`) without Content-Length,
-    Date, Server and Connection, which are added when it is sent. `request_id`, when set,
-    is sent as X-Request-Id (the edge sets it; cheaper than a header added to `headers`).
+    Date, Server and Connection, which are added when it is sent (so `headers` must not
+    hold them either). `request_id`, when set, is sent as X-Request-Id (the edge sets it;
+    cheaper than a header added to `headers`). prepare() sends everything and ends the
+    response: no cookies, compression, chunking or later writes.
     """
 
     request_id = ""
@@ -79,11 +86,12 @@ class Rendered(web.StreamResponse):
         self._rendered = body
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
-        """Write the whole response, head and body, in one call."""
+        """Write the whole response, head and body, in one call, and end it."""
         if self._eof_sent:
             return None
-        if self._payload_writer is not None:
-            return self._payload_writer
+        if self._cookies or self._compression or self._chunked:
+            raise RuntimeError("a rendered response sends no cookies, compression or chunks")
+        await request._prepare_hook(self)  # on_response_prepare signals, as aiohttp runs them
         version = request.version
         keep_alive = request.keep_alive if self._keep_alive is None else self._keep_alive
         self._keep_alive = keep_alive
@@ -94,28 +102,23 @@ class Rendered(web.StreamResponse):
             connection = b"Connection: close\r\n"
         body = self._rendered
         request_id = self.request_id
-        if "\r" in request_id or "\n" in request_id:
-            raise ValueError("the request id holds CR or LF")
+        if not request_id.isprintable():  # stricter than _FORBIDDEN, and a tenth of its cost
+            raise ValueError("the request id holds a control character such as CR or LF")
         data = b"".join((
             _status_line(version.major, version.minor, self.status, self.reason), self._head,
             b"X-Request-Id: %s\r\n" % request_id.encode() if request_id else b"",
             header_lines(self.headers.items()) if self.headers else b"", connection,
             b"Content-Length: %d\r\n" % len(body), _date.now(), _SERVER, b"\r\n",
             b"" if request.method == "HEAD" else body))
-        self._req = request
-        writer = self._payload_writer = request.writer
+        writer = request.writer
         await writer.write_eof(data)  # writes, then drains as StreamResponse does
+        self._eof_sent = True  # so write() after this is refused, as after write_eof()
+        self._body_length = len(body)
         return writer
 
     async def write_eof(self, data: bytes = b"") -> None:
-        """Mark the response finished (prepare wrote all of it)."""
+        """Nothing left to send: prepare() wrote and ended the response."""
         if data:
             raise ValueError("a rendered response takes no more data")
-        if self._eof_sent:
-            return
-        if self._payload_writer is None:
+        if not self._eof_sent:
             raise RuntimeError("the response has not been prepared")
-        self._eof_sent = True
-        self._req = None
-        self._body_length = len(self._rendered)
-        self._payload_writer = None

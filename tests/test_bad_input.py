@@ -103,7 +103,7 @@ async def _raw_post(port: int, head: bytes, pieces: list[bytes]) -> tuple[int, b
         writer.close()
 
 
-@pytest.mark.parametrize("split", ["whole", "pieces", "chunked"])
+@pytest.mark.parametrize("split", ["whole", "pieces", "chunked", "chunked-whole"])
 async def test_a_body_is_read_whole_in_pieces_or_chunked(make_proxy: ProxyFactory,
                                                          split: str) -> None:
     """The handler takes a body that has all arrived without awaiting, and reads the rest:
@@ -112,7 +112,7 @@ async def test_a_body_is_read_whole_in_pieces_or_chunked(make_proxy: ProxyFactor
     port = int(proxy.url.rsplit(":", 1)[1])
     for content, status in [("Hello!", 200), ("x" * 5000, 413)]:
         body = json.dumps({"messages": [{"role": "user", "content": content}]}).encode()
-        if split == "chunked":
+        if split.startswith("chunked"):
             head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" \
                    b"Transfer-Encoding: chunked\r\n\r\n"
             pieces = [b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:10], body[10:])]
@@ -121,8 +121,8 @@ async def test_a_body_is_read_whole_in_pieces_or_chunked(make_proxy: ProxyFactor
             head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" \
                    b"Content-Length: %d\r\n\r\n" % len(body)
             pieces = [body] if split == "whole" else [body[:10], body[10:20], body[20:]]
-        if split == "whole":
-            head, pieces = head + body, []
+        if split.endswith("whole"):  # all in one write: the body is complete on arrival
+            head, pieces = head + b"".join(pieces or [body]), []
         got, answer = await _raw_post(port, head, pieces)
         assert got == status, answer
         if status == 200:

@@ -105,8 +105,8 @@ def test_latency_histogram_matches_prometheus_client() -> None:
 
 ACCESS = ("r2", "POST", "/v1/chat/completions", 200, 0.07)
 ACCESS_FIELDS = dict(zip(logs.ACCESS_KEYS, ACCESS, strict=True))
-INFO = {"cache": "HIT", "reason": "greedy", "key": "5ad7a78\u00e9", "tokens": 12,
-        "runner_ms": 32.693}
+INFO = {"cache": "HIT", "reason": 'say "hi"\n\x01', "key": "5ad7a78\u00e9", "tokens": 12,
+        "runner_ms": 32.693, "odd": {1}}  # escapes, non-ASCII, a value only repr() renders
 
 
 @pytest.mark.parametrize("info", [INFO, {}], ids=["fields", "no-fields"])
@@ -117,6 +117,7 @@ def test_access_lines_are_the_same_whichever_path_renders_them(
     info_fields; a logger without the lean path gets keyword arguments."""
     sink, batched = json_lines
     write = logs.access_writer(structlog.get_logger("t").bind())
+    assert getattr(write, "__name__", "") == "access"  # the lean path, not the fallback
     write(*ACCESS, logs.SharedFields(info))
     write(*ACCESS, dict(info))
     structlog.get_logger("t").info("request", **ACCESS_FIELDS, **info)

@@ -128,9 +128,49 @@ def test_statuses_without_a_body_are_refused() -> None:
             Rendered(b"", b"", status=status)
 
 
-def test_header_lines_refuse_cr_and_lf() -> None:
+async def test_on_response_prepare_signals_run_and_nothing_is_written_after() -> None:
+    """A signal's header is sent; write() after prepare() is refused, as after write_eof()."""
+    async def add_header(_: web.Request, response: web.StreamResponse) -> None:
+        response.headers["X-From-Signal"] = "yes"
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = Rendered(header_lines(HEADERS.items()), BODY)
+        await response.prepare(request)
+        with pytest.raises(RuntimeError):
+            await response.write(b"JUNK")
+        return response
+
+    app = web.Application()
+    app.on_response_prepare.append(add_header)
+    app.router.add_post("/", handler)
+    server = TestServer(app, host="127.0.0.1", port=free_port())
+    await server.start_server()
+    try:
+        (raw,), closed = await _exchange(server.port, _post("1.1"))
+    finally:
+        await server.close()
+    status, headers, body = _parsed(raw)
+    assert (status, headers[b"x-from-signal"], body, closed) == (b"HTTP/1.1 200 OK", b"yes",
+                                                                  BODY, False)
+
+
+async def test_cookies_compression_and_chunks_are_refused() -> None:
+    for setup in ("cookie", "compression", "chunks"):
+        response = Rendered(b"", BODY)
+        if setup == "cookie":
+            response.set_cookie("a", "1")
+        elif setup == "compression":
+            response.enable_compression()
+        else:
+            response.enable_chunked_encoding()
+        with pytest.raises(RuntimeError, match="cookies, compression or chunks"):
+            await response.prepare(make_mocked_request("POST", "/"))
+
+
+def test_header_lines_refuse_control_characters() -> None:
     assert header_lines([("A", "1"), ("B", "two")]) == b"A: 1\r\nB: two\r\n"
-    for bad in [("A", "1\r\nInjected: yes"), ("A", "1\nB: 2"), ("A\r", "1")]:
+    for bad in [("A", "1\r\nInjected: yes"), ("A", "1\nB: 2"), ("A\r", "1"), ("A", "\x00"),
+                ("A", "\x7f")]:
         with pytest.raises(ValueError, match="CR or LF"):
             header_lines([bad])
 

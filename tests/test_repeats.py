@@ -67,6 +67,8 @@ async def test_a_repeat_answers_as_the_full_path_did(
     assert again["X-Request-Id"] != full["X-Request-Id"]
     named, _ = await _post(proxy, body, headers={"X-Request-Id": "client-chose-this"})
     assert (named["X-Cache"], named["X-Request-Id"]) == ("HIT", "client-chose-this")
+    tabbed, _ = await _post(proxy, body, headers={"X-Request-Id": "not\tprintable"})
+    assert tabbed["X-Cache"] == "HIT" and tabbed["X-Request-Id"] not in ("", "not\tprintable")
     assert _without_id_and_time(again_body) == _without_id_and_time(full_body)
     assert json.loads(again_body.split(b"\n")[0].removeprefix(b"data: "))["id"] != \
         json.loads(full_body.split(b"\n")[0].removeprefix(b"data: "))["id"]
