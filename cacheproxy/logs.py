@@ -113,6 +113,8 @@ def _lean_json_logger(numeric: int, stamp: IsoTimestamp) -> type[Any]:
     if numeric > logging.INFO:
         return cast(type[Any], base)
 
+    middles: dict[tuple[str, str, int], bytes] = {}  # the access line's fixed fields
+
     class LeanJson(base):  # type: ignore[misc]
         def info(self, event: str, *args: Any, **kw: Any) -> None:
             if args or "exc_info" in kw:
@@ -136,10 +138,15 @@ def _lean_json_logger(numeric: int, stamp: IsoTimestamp) -> type[Any]:
                     "request_id": request_id, "method": method, "path": path,
                     "status": status, "total_ms": total_ms, **info})
                 return
-            head = orjson.dumps({"request_id": request_id, "method": method, "path": path,
-                                 "status": status, "total_ms": total_ms})
+            middle = middles.get((method, path, status))
+            if middle is None:
+                middle = b',"method":%b,"path":%b,"status":%d,"total_ms":' % (
+                    orjson.dumps(method), orjson.dumps(path), status)
+                if len(middles) < 64:  # repeats come from a few routes: this stays small
+                    middles[method, path, status] = middle
             self._logger.info(b"".join((
-                head[:-1], info.json, b',"event":"request","level":"info","timestamp":"',
+                b'{"request_id":', orjson.dumps(request_id), middle, orjson.dumps(total_ms),
+                info.json, b',"event":"request","level":"info","timestamp":"',
                 stamp.format(time.time()).encode(), b'"}')))
 
     return LeanJson
