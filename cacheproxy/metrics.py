@@ -67,9 +67,7 @@ class RequestTally(Collector):
         """One finished request (info is the request's cache log fields)."""
         cache = info.get("cache", "NONE")
         self.requests[endpoint, cache, info.get("reason", ""), status] += 1
-        latency = self.latency[cache]  # Buckets.observe, inline: this runs per request
-        latency.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
-        latency.total += seconds
+        self.latency[cache].observe(seconds)
         if not info:
             return  # not an API request: no cache status, tokens or minutes to count
         self.by_cache[cache] += 1

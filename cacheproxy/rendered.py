@@ -8,8 +8,8 @@ status, headers and body up front except for a few values (request id, Age, Date
 
 It follows what StreamResponse does for the same response: the request's HTTP version on
 the status line, the Connection header and keep-alive decision, Content-Length, Date and
-Server, headers set after construction (the edge's X-Request-Id), CR/LF in a header
-refused, no body in an answer to HEAD. Only for statuses that carry a body (not 1xx, 204
+Server, headers set after construction (the edge's X-Request-Id), control characters in
+a header refused, no body in an answer to HEAD. Only for statuses that carry a body (not 1xx, 204
 or 304).
 """
 

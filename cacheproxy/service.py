@@ -160,19 +160,15 @@ class CachingProxy:
         """Whether an earlier HIT still holds for a repeat of its request, so that the full
         order of operations would give the same answer: the gate is open, the runner serves
         that very fingerprint, the breaker is closed and the store returns the same bytes."""
-        breaker = self.breaker
         if not (self._gate_open() and self.runner.fingerprint() is fingerprint
-                and breaker.closed):
+                and self.breaker.closed):
             return False
-        # _guarded() inlined, as the breaker is closed: no probe to allow or to free.
         try:
-            now = await self.store.get(key)
-        except BackendError as exc:
-            breaker.failed()
+            now = await self._guarded(self.store.get(key))
+        except StoreUnavailable as exc:
             # The breaker is open now: the full path answers without the store, and counts.
-            self._store_failed("get", key, StoreUnavailable(str(exc)), count=False)
+            self._store_failed("get", key, exc, count=False)
             return False
-        breaker.succeeded()
         return now is data or now == data
 
     async def _lookup(self, key: str, request: CanonicalRequest
