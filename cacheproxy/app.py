@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -39,9 +40,18 @@ def create_app(
     app[STARTED] = time.time()
     app[HOT] = Hot(parser=ParseMemo(max_tokens_cap=settings.max_tokens_cap))
     app[METRICS] = metrics = Metrics()
+    app.cleanup_ctx.append(_fold_tally)
     app.cleanup_ctx.append(_lifecycle(settings, runner, store))
     _add_routes(app, settings, metrics)
     return app
+
+
+async def _fold_tally(app: web.Application) -> AsyncIterator[None]:
+    """Fold the requests the edge recorded into the metrics, once a second."""
+    task = asyncio.create_task(app[METRICS].tally.fold_periodically())
+    yield
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def _add_routes(app: web.Application, settings: Settings, metrics: Metrics) -> None:
@@ -53,7 +63,7 @@ def _add_routes(app: web.Application, settings: Settings, metrics: Metrics) -> N
     limits = Limits(settings.max_in_flight)
     # Without API keys every caller is the same anonymous identity (IDENTITY unset: "").
     api = {"guard": api_guard if keys else None, "limits": limits,
-           "observe": metrics.tally.observe}
+           "record": metrics.tally.record}
     routes: list[tuple[str, str, Handler, dict[str, Any]]] = [
         ("POST", "/v1/chat/completions", handlers.chat_completions, api),
         ("POST", "/v1/completions", handlers.completions, api),

@@ -12,7 +12,6 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from functools import wraps
-from typing import Any
 
 import structlog
 from aiohttp import web
@@ -29,13 +28,14 @@ from cacheproxy.errors import (
     StoreDown,
 )
 from cacheproxy.logs import access_writer
+from cacheproxy.metrics import Finished
 from cacheproxy.rendered import Rendered
 from cacheproxy.state import CACHE_LOG, SETTINGS
 
 log = structlog.get_logger("cacheproxy.access")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Guard = Callable[[web.Request], object]
-Observe = Callable[[str, int, float, dict[str, Any]], None]
+Record = Callable[[Finished], None]
 
 X_REQUEST_ID = istr("X-Request-Id")
 _ID_PREFIX = os.urandom(6).hex()
@@ -64,7 +64,7 @@ class Limits:
 
 
 def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
-         limits: Limits | None = None, observe: Observe | None = None) -> Handler:
+         limits: Limits | None = None, record: Record | None = None) -> Handler:
     """Wrap a route handler: request id, guard (auth), in-flight bound, error mapping,
     then one access log line and the metrics of the finished request."""
 
@@ -110,8 +110,8 @@ def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
         status = response.status
         total_ms = int(seconds * 100_000 + 0.5) / 100  # round(x, 2) costs four times this
         access(request_id, request.method, fixed_path or request.path, status, total_ms, info)
-        if observe is not None:
-            observe(endpoint or request.path, status, seconds, info)
+        if record is not None:
+            record((endpoint or request.path, status, seconds, info))
         return response
 
     return wrapped

@@ -23,16 +23,17 @@ async def snapshot(app: web.Application) -> dict[str, Any]:
             store.update(entries=s.entries, bytes=s.bytes, max_bytes=s.max_bytes)
         except BackendError as exc:
             store["error"] = str(exc)
-    totals = dict(tally.by_cache)
+    figures = tally.totals()
+    totals = figures.by_cache
     served = sum(totals.get(status, 0) for status in ("HIT", "MISS", "COALESCED"))
     fingerprint = proxy.runner.fingerprint()
     return {
         "uptime_s": round(time.time() - app[STARTED], 1),
         "requests": totals,
         "hit_rate": round(totals.get("HIT", 0) / served, 4) if served else None,
-        "per_minute": tally.per_minute(),
-        "saved_tokens": tally.saved_tokens,
-        "saved_generation_s": round(tally.saved_seconds, 3),
+        "per_minute": figures.per_minute,
+        "saved_tokens": figures.saved_tokens,
+        "saved_generation_s": round(figures.saved_seconds, 3),
         "store": store,
         "fingerprint": fingerprint.digest,
         "fingerprint_fields": fingerprint.fields(),

@@ -3,6 +3,7 @@ general machinery they stand in for."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 from collections.abc import Iterator
 from typing import Any
@@ -12,8 +13,8 @@ import pytest
 import structlog
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from cacheproxy import logs
-from cacheproxy.metrics import LATENCY_BUCKETS, Metrics
+from cacheproxy import logs, metrics
+from cacheproxy.metrics import LATENCY_BUCKETS, Metrics, RequestTally
 
 
 def _configure_json(monkeypatch: pytest.MonkeyPatch, level: str
@@ -102,6 +103,51 @@ def test_latency_histogram_matches_prometheus_client() -> None:
 
     assert series(ours.render({})) == series(generate_latest(registry))
 
+
+
+def test_recorded_requests_count_once_folded_by_a_reader_or_the_timer() -> None:
+    minutes = iter([600.0, 661.0])  # one reading per fold that has requests
+    tally = RequestTally(clock=lambda: next(minutes))
+    hit = logs.SharedFields({"cache": "HIT", "reason": "greedy", "tokens": 7, "runner_ms": 500.0})
+    for _ in range(3):
+        tally.record(("/v1/chat/completions", 200, 0.001, hit))  # what the edge calls
+    tally.observe("/v1/chat/completions", 200, 0.2, {"cache": "MISS", "reason": "greedy",
+                                                     "tokens": 7, "runner_ms": 180.0})
+    first = tally.totals()  # a reader folds what was recorded
+    assert first.by_cache == {"HIT": 3, "MISS": 1}
+    assert (first.saved_tokens, first.saved_seconds) == (21, 1.5)
+    assert first.per_minute == [{"minute": 600, "HIT": 3, "MISS": 1}]
+    assert tally.totals() == first  # folded once: reading again counts nothing twice
+    tally.record(("/health", 200, 0.0001, {}))  # not an API request: no cache status
+    tally.record(("/v1/completions", 200, 0.001, hit))
+    again = tally.totals()
+    assert again.by_cache == {"HIT": 4, "MISS": 1}
+    assert again.per_minute[-1] == {"minute": 660, "HIT": 1}
+    text = generate_latest(_registry_of(tally)).decode()
+    assert 'cacheproxy_requests_total{cache="NONE",endpoint="/health",reason="",status="200"} ' \
+        '1.0' in text
+    assert 'cacheproxy_generation_seconds_count 1.0' in text
+
+
+async def test_the_app_timer_folds_without_a_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(metrics, "FOLD_EVERY", 0.01)
+    tally = RequestTally()
+    timer = asyncio.create_task(tally.fold_periodically())
+    try:
+        tally.record(("/v1/chat/completions", 200, 0.001, {"cache": "HIT"}))
+        await asyncio.sleep(0.1)
+        assert not tally._pending and tally._by_cache == {"HIT": 1}
+        tally.record(("/v1/chat/completions", 200, 0.001, {"cache": "HIT"}))
+    finally:
+        timer.cancel()
+        await asyncio.gather(timer, return_exceptions=True)
+    assert tally._by_cache == {"HIT": 2}  # cancelled: folded once more on the way out
+
+
+def _registry_of(tally: RequestTally) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(tally)
+    return registry
 
 ACCESS = ("r2", "POST", "/v1/chat/completions", 200, 0.07)
 ACCESS_FIELDS = dict(zip(logs.ACCESS_KEYS, ACCESS, strict=True))
