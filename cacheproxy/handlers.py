@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 import orjson
@@ -32,16 +33,6 @@ def json_response(data: Any, *, status: int = 200, headers: dict[str, str] | Non
                         content_type=JSON)
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    """POST /v1/chat/completions."""
-    return await _complete(request, "chat")
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    """POST /v1/completions."""
-    return await _complete(request, "completions")
-
-
 async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     app = request.app
     proxy, hot, settings = app[PROXY], app[HOT], app[SETTINGS]
@@ -50,7 +41,7 @@ async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     control = request.headers.get("Cache-Control")
     if control is None and (repeat := hot.repeats.get(endpoint, scope, raw)) is not None:
         if await proxy.still_stored(repeat.key, repeat.data, repeat.fingerprint):
-            return _repeat_hit(request, repeat, settings.ttl)
+            return _repeat_hit(request, repeat, hot, settings.ttl)
         hot.repeats.forget(endpoint, scope, raw)
     parsed = hot.parser.parse(raw, endpoint, proxy.runner.defaults(), settings.sampling)
     answer = await proxy.answer(parsed, directives=parse_cache_control(control), scope=scope)
@@ -98,14 +89,20 @@ async def _body(request: web.Request) -> bytes:
     return raw
 
 
-def _repeat_hit(request: web.Request, repeat: Repeat, ttl: float | None) -> Rendered:
+# The POST routes: _complete with its endpoint (a partial, not one more coroutine per hit).
+chat_completions = partial(_complete, endpoint="chat")
+completions = partial(_complete, endpoint="completions")
+
+
+def _repeat_hit(request: web.Request, repeat: Repeat, hot: Hot, ttl: float | None
+                ) -> Rendered:
     """A repeat of a request whose HIT is remembered: the same answer, nothing re-derived."""
     request[CACHE_LOG] = repeat.log
     now = time.time()
     age = max(0.0, now - repeat.created_at)
     control = response_cache_control(stored=True, ttl=ttl, age=age)
-    head = repeat.head + f"Age: {int(age)}\r\nCache-Control: {control}\r\n".encode()
-    body = repeat.template.fill(request.app[HOT].ids.next(repeat.endpoint), int(now))
+    head = b"%bAge: %d\r\nCache-Control: %s\r\n" % (repeat.head, age, control.encode())
+    body = repeat.template.fill(hot.ids.next(repeat.endpoint), int(now))
     return Rendered(head, body)
 
 

@@ -117,22 +117,48 @@ _ID_BYTES = f'"id":"{ID_MARK}"'.encode()
 _CREATED_BYTES = f'"created":{CREATED_MARK}'.encode()
 
 
+def _between_marks(body: bytes) -> bytes | None:
+    """The bytes between the id and the creation time, when every id is followed by its
+    creation time with these same bytes in between (as in every object cacheproxy renders);
+    None otherwise."""
+    ids = body.count(_ID_BYTES)
+    start = body.find(_ID_BYTES) + len(_ID_BYTES)
+    end = body.find(_CREATED_BYTES, start)
+    if ids == 0 or end < 0 or body.count(_CREATED_BYTES) != ids:
+        return None
+    between = body[start:end]
+    return between if body.count(_ID_BYTES + between + _CREATED_BYTES) == ids else None
+
+
 @dataclass(frozen=True, slots=True)
 class Template:
     """A rendered hit body with the response id and creation time left to fill in."""
 
     body: bytes  # with ID_MARK and CREATED_MARK where the values go
     content_type: str
-    # The body as a %-format: filling it is a third of the cost of two replaces.
+    # Filled as a join of the parts around each "id"…"created" run (a stream repeats both
+    # in every chunk): a tenth of the cost of a %-format with a value per mark. Bodies in
+    # another shape are filled as a %-format.
+    _between: bytes | None = field(init=False, repr=False, compare=False)
+    _parts: list[bytes] = field(init=False, repr=False, compare=False)
     _format: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        between = _between_marks(self.body)
+        object.__setattr__(self, "_between", between)
+        if between is not None:
+            object.__setattr__(self, "_parts", self.body.split(
+                _ID_BYTES + between + _CREATED_BYTES))
+            return
         # Inside JSON strings quotes are escaped, so these byte runs only match the fields.
         fmt = self.body.replace(b"%", b"%%").replace(_ID_BYTES, b'"id":"%(i)s"')
         object.__setattr__(self, "_format", fmt.replace(_CREATED_BYTES, b'"created":%(c)d'))
 
     def fill(self, response_id: str, created: int) -> bytes:
         """The body with its response id and creation time."""
+        if self._between is not None:
+            return (b'"id":"%b"%b"created":%d' % (response_id.encode(), self._between, created)
+                    ).join(self._parts)
         return self._format % {b"i": response_id.encode(), b"c": created}
 
 

@@ -28,15 +28,19 @@ class IsoTimestamp:
 
     def __init__(self) -> None:
         self._second = -1
-        self._prefix = ""
+        self._prefix = b""
 
-    def format(self, now: float) -> str:
-        """The timestamp of `now` (seconds since the epoch)."""
+    def encoded(self, now: float) -> bytes:
+        """The timestamp of `now` (seconds since the epoch), as ASCII bytes."""
         second = int(now)
         if second != self._second:
             self._second = second
-            self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-        return "%s.%06dZ" % (self._prefix, (now - second) * 1e6)  # noqa: UP031 (a third faster)
+            self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)).encode()
+        return b"%b.%06dZ" % (self._prefix, (now - second) * 1e6)
+
+    def format(self, now: float) -> str:
+        """The timestamp of `now` (seconds since the epoch)."""
+        return self.encoded(now).decode()
 
     def __call__(self, _: Any, __: str, event: MutableMapping[str, Any]
                  ) -> MutableMapping[str, Any]:
@@ -147,7 +151,7 @@ def _lean_json_logger(numeric: int, stamp: IsoTimestamp) -> type[Any]:
             self._logger.info(b"".join((
                 b'{"request_id":', orjson.dumps(request_id), middle, orjson.dumps(total_ms),
                 info.json, b',"event":"request","level":"info","timestamp":"',
-                stamp.format(time.time()).encode(), b'"}')))
+                stamp.encoded(time.time()), b'"}')))
 
     return LeanJson
 

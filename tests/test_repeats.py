@@ -121,13 +121,30 @@ async def test_an_open_breaker_is_not_bypassed_by_a_repeat(make_proxy: ProxyFact
     assert again["X-Cache"] == "BYPASS; reason=store-unavailable"
 
 
-def test_a_template_fills_every_id_and_time_and_keeps_percent_signs() -> None:
-    def event(content: str) -> bytes:
-        return b"data: " + json.dumps({"id": ID_MARK, "created": CREATED_MARK,
-                                        "content": content}, separators=(",", ":")).encode()
+SHAPES = {  # event field orders: the join fills the first, a %-format the others
+    "id-then-created": ([("id", "created", "content")] * 2, True),
+    "created-then-id": ([("created", "id", "content")] * 2, False),
+    "other-field-between": ([("id", "created", "content"), ("id", "model", "created")], False),
+    "created-alone": ([("id", "created", "content"), ("created", "content")], False),
+    "no-marks": ([("content",), ("content",)], False),
+}
 
-    body = event("100%(i)s sure, 5%") + b"\n\n" + event("%d%%") + b"\n\n"
-    filled = Template(body, "text/event-stream").fill("chatcmpl-x1", 1796010318)
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_template_fills_every_id_and_time_and_keeps_percent_signs(shape: str) -> None:
+    marks = {"id": ID_MARK, "created": CREATED_MARK, "model": "m"}
+    orders, joined = SHAPES[shape]
+
+    def event(order: tuple[str, ...], content: str) -> bytes:
+        fields = {name: marks.get(name, content) for name in order}
+        return b"data: " + json.dumps(fields, separators=(",", ":")).encode() + b"\n\n"
+
+    body = event(orders[0], "100%(i)s sure, 5%") + event(orders[1], "%d%%")
+    template = Template(body, "text/event-stream")
+    assert (template._between is not None) is joined
+    filled = template.fill("chatcmpl-x1", 1796010318)
+    expected = body.replace(f'"{ID_MARK}"'.encode(), b'"chatcmpl-x1"').replace(
+        str(CREATED_MARK).encode(), b"1796010318")
+    assert filled == expected
     events = [json.loads(line[6:]) for line in filled.split(b"\n\n") if line]
-    assert [e["content"] for e in events] == ["100%(i)s sure, 5%", "%d%%"]
-    assert {(e["id"], e["created"]) for e in events} == {("chatcmpl-x1", 1796010318)}
+    assert [e.get("content") for e in events][:1] == ["100%(i)s sure, 5%"]
