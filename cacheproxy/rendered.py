@@ -23,7 +23,7 @@ from functools import lru_cache
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
-from aiohttp.http import SERVER_SOFTWARE, HttpVersion10, HttpVersion11
+from aiohttp.http import SERVER_SOFTWARE, HttpVersion, HttpVersion10, HttpVersion11
 
 _SERVER = f"Server: {SERVER_SOFTWARE}\r\n".encode()
 
@@ -62,8 +62,15 @@ def header_lines(headers: Iterable[tuple[str, str]]) -> bytes:
 
 
 @lru_cache(maxsize=64)
-def _status_line(major: int, minor: int, status: int, reason: str) -> bytes:
-    return f"HTTP/{major}.{minor} {status} {reason}\r\n".encode()
+def _status_line(version: HttpVersion, status: int, reason: str) -> bytes:
+    return f"HTTP/{version.major}.{version.minor} {status} {reason}\r\n".encode()
+
+
+def _connection(version: HttpVersion, keep_alive: bool) -> bytes:
+    """The Connection header where the version's default is not what happens (as aiohttp)."""
+    if keep_alive:
+        return b"Connection: keep-alive\r\n" if version == HttpVersion10 else b""
+    return b"Connection: close\r\n" if version == HttpVersion11 else b""
 
 
 class Rendered(web.StreamResponse):
@@ -95,21 +102,16 @@ class Rendered(web.StreamResponse):
         version = request.version
         keep_alive = request.keep_alive if self._keep_alive is None else self._keep_alive
         self._keep_alive = keep_alive
-        connection = b""
-        if keep_alive and version == HttpVersion10:
-            connection = b"Connection: keep-alive\r\n"
-        elif not keep_alive and version == HttpVersion11:
-            connection = b"Connection: close\r\n"
         body = self._rendered
         request_id = self.request_id
         if not request_id.isprintable():  # stricter than _FORBIDDEN, and a tenth of its cost
             raise ValueError("the request id holds a control character such as CR or LF")
         data = b"".join((
-            _status_line(version.major, version.minor, self.status, self.reason), self._head,
+            _status_line(version, self._status, self._reason), self._head,
             b"X-Request-Id: %s\r\n" % request_id.encode() if request_id else b"",
-            header_lines(self.headers.items()) if self.headers else b"", connection,
-            b"Content-Length: %d\r\n" % len(body), _date.now(), _SERVER, b"\r\n",
-            b"" if request.method == "HEAD" else body))
+            header_lines(self._headers.items()) if self._headers else b"",
+            _connection(version, keep_alive), b"Content-Length: %d\r\n" % len(body),
+            _date.now(), _SERVER, b"\r\n", b"" if request.method == "HEAD" else body))
         writer = request.writer
         await writer.write_eof(data)  # writes, then drains as StreamResponse does
         self._eof_sent = True  # so write() after this is refused, as after write_eof()
