@@ -267,8 +267,7 @@ class CachingProxy:
         generation = self.runner.generate(request)
         try:
             async with asyncio.timeout(self._options.generation_timeout):
-                async for chunk in generation.chunks():
-                    flight.publish(chunk)
+                output = await generation.relay(flight.publish)
         except TimeoutError:
             generation.cancel()
             raise GenerationTimeout(
@@ -277,9 +276,6 @@ class CachingProxy:
         except asyncio.CancelledError:
             generation.cancel()
             raise
-        output = generation.output
-        if output is None:
-            raise RuntimeError("runner ended without an output")
         flight.generation_ms = (time.monotonic() - started) * 1000
         if previous is not None:
             same = previous.output.token_ids == output.token_ids and \

@@ -10,6 +10,7 @@ import pytest
 from cacheproxy.codec import Chunk, Output
 from cacheproxy.errors import GenerationTimeout
 from cacheproxy.flights import Flight
+from cacheproxy.runners.base import Failed, Finished, Generation
 
 CHUNKS = tuple(Chunk(text=f"w{i} ", tokens=(i,)) for i in range(20))
 OUTPUT = Output(chunks=CHUNKS, finish_reason="length", prompt_tokens=3, completion_tokens=20)
@@ -55,3 +56,47 @@ async def test_a_failed_flight_raises_for_every_reader() -> None:
     with pytest.raises(GenerationTimeout):
         await following
 
+
+
+async def test_a_generation_relays_chunks_in_order_where_they_arrive() -> None:
+    generation = Generation()
+    early = [Chunk("a", (1,)), Chunk("b", (2,))]
+    for chunk in early:  # arrived before anyone relays: queued
+        generation.put(chunk)
+    got: list[Chunk] = []
+    woken = 0
+
+    def publish(chunk: Chunk) -> None:
+        got.append(chunk)
+
+    async def produce() -> None:
+        nonlocal woken
+        await asyncio.sleep(0)  # the relay drains the queue first
+        generation.put(Chunk("c", (3,)))  # nothing queued: handed on at once, no wake
+        woken += generation._waiter is not None and generation._waiter.done()
+        generation.put(Chunk("d", (4,)))
+        generation.put(Finished(Output(tuple(early), "stop", 3, 4)))
+
+    producer = asyncio.create_task(produce())
+    output = await generation.relay(publish)
+    await producer
+    assert [c.text for c in got] == ["a", "b", "c", "d"]
+    assert woken == 0 and output.finish_reason == "stop" and generation.output is output
+    generation.put(Chunk("late", ()))  # after the end: queued, not published
+    assert len(got) == 4
+
+
+async def test_a_relayed_generation_raises_the_runner_error() -> None:
+    generation = Generation()
+    got: list[Chunk] = []
+
+    async def produce() -> None:
+        await asyncio.sleep(0)
+        generation.put(Chunk("a", ()))
+        generation.put(Failed(GenerationTimeout("too slow")))
+
+    producer = asyncio.create_task(produce())
+    with pytest.raises(GenerationTimeout):
+        await generation.relay(got.append)
+    await producer
+    assert [c.text for c in got] == ["a"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -45,6 +45,7 @@ class Generation:
         self.cancelled = False
         # The fingerprint digest of the model that actually ran it, when the runner knows.
         self.produced_by: str | None = None
+        self._relay: Callable[[Chunk], None] | None = None  # set while relay() runs
 
     def push(self, event: Event) -> None:
         """Deliver an event from any thread."""
@@ -52,6 +53,9 @@ class Generation:
 
     def put(self, event: Event) -> None:
         """Deliver an event from the loop's own thread (no cross-thread wake-up per token)."""
+        if self._relay is not None and not self._events and type(event) is Chunk:
+            self._relay(event)  # nothing queued before it: hand it on where it arrives
+            return
         self._events.append(event)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -59,6 +63,20 @@ class Generation:
     def cancel(self) -> None:
         """Ask the producer to stop at its next token (or not to start)."""
         self.cancelled = True
+
+    async def relay(self, publish: Callable[[Chunk], None]) -> Output:
+        """Hand every chunk to `publish` in order, where it arrives rather than through a
+        task woken per token, and return the output; raises the runner's error if it
+        failed."""
+        self._relay = publish
+        try:
+            async for chunk in self.chunks():  # only what arrived before, or queued behind it
+                publish(chunk)
+        finally:
+            self._relay = None
+        if self.output is None:
+            raise RuntimeError("runner ended without an output")
+        return self.output
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         """The chunks as they are generated; raises the runner's error if it failed."""
