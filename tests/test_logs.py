@@ -185,6 +185,33 @@ def test_access_lines_are_the_same_whichever_path_renders_them(
     assert seen == [("request", {**ACCESS_FIELDS, **info})]
 
 
+
+def test_queued_access_lines_keep_their_place_among_other_lines(
+    json_lines: tuple[io.BytesIO, logs.BatchedLines], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sink, batched = json_lines
+    monkeypatch.setattr(logs, "MAX_PENDING", 4)
+    write = logs.access_writer(structlog.get_logger("t").bind())
+    hit = logs.SharedFields({"cache": "HIT"})
+    write("a1", "POST", "/v1/completions", 200, 0.1, hit)  # queued as a record
+    structlog.get_logger("t").info("between")  # a rendered line after it
+    write("a2", "POST", "/v1/completions", 200, 0.2, hit)
+    assert sink.getvalue() == b""  # three lines: below the batch size, nothing written yet
+    structlog.get_logger("t").warning("store_unavailable")  # written at once, with all before
+    write("a3", "GET", "/v1/models", 404, 0.3, hit)
+    for n in range(4, 7):
+        write(f"a{n}", "POST", "/v1/completions", 200, 0.4, hit)
+    # a3..a6 made four: written without a flush from the timer
+    lines = [orjson.loads(line) for line in sink.getvalue().splitlines()]
+    assert [line.get("request_id", line["event"]) for line in lines] == \
+        ["a1", "between", "a2", "store_unavailable", "a3", "a4", "a5", "a6"]
+    assert lines[4] | {"timestamp": ""} == {
+        "request_id": "a3", "method": "GET", "path": "/v1/models", "status": 404,
+        "total_ms": 0.3, "cache": "HIT", "event": "request", "level": "info",
+        "timestamp": ""}
+    stamps = [line["timestamp"] for line in lines]
+    assert stamps == sorted(stamps)  # each line carries the time it was logged
+
 def test_shared_fields_are_read_only_and_keep_to_their_own_keys() -> None:
     fields = logs.SharedFields({"cache": "HIT"})
     with pytest.raises(TypeError, match="read-only"):
