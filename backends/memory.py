@@ -50,6 +50,10 @@ class MemoryBackend:
 
     async def get(self, key: str) -> bytes | None:
         """The value, refreshing its recency; an expired entry is dropped and misses."""
+        return self.lookup(key)
+
+    def lookup(self, key: str) -> bytes | None:
+        """get() without a coroutine, for a tier in front of another store (no I/O here)."""
         self._check_open()
         entry = self._entries.get(key)
         if entry is None:

@@ -73,7 +73,7 @@ class TieredBackend:
 
     async def get(self, key: str) -> bytes | None:
         """L1, else L2 (copying a hit into L1)."""
-        value = await self._l1.get(key)
+        value = self._l1.lookup(key)  # no coroutine per hit
         if value is not None:
             return value
         epoch = self._epoch
