@@ -28,14 +28,14 @@ from cacheproxy.errors import (
     StoreDown,
 )
 from cacheproxy.logs import access_writer
-from cacheproxy.metrics import Finished
+from cacheproxy.metrics import FinishedRequest
 from cacheproxy.rendered import Rendered
 from cacheproxy.state import CACHE_LOG, SETTINGS
 
 log = structlog.get_logger("cacheproxy.access")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Guard = Callable[[web.Request], object]
-Record = Callable[[Finished], None]
+Record = Callable[[FinishedRequest], None]
 
 X_REQUEST_ID = istr("X-Request-Id")
 _ID_PREFIX = os.urandom(6).hex()

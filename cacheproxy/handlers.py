@@ -57,7 +57,8 @@ async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     headers = _cache_headers(answer, parsed, settings.ttl)
     if answer.record is not None:
         info["tokens"] = answer.record.output.completion_tokens
-        info["runner_ms"] = answer.record.provenance.get("generation_ms", 0.0)
+        ms = answer.record.provenance.get("generation_ms")
+        info["runner_ms"] = float(ms) if isinstance(ms, int | float) else 0.0
         template = _hit_template(hot, answer, parsed)
         if control is None:
             _remember(hot.repeats, (endpoint, scope, raw), answer, template, headers, info,
@@ -91,7 +92,9 @@ async def _body(request: web.Request) -> bytes:
 
 # The POST routes: _complete with its endpoint (a partial, not one more coroutine per hit).
 chat_completions = partial(_complete, endpoint="chat")
+chat_completions.__doc__ = "POST /v1/chat/completions."
 completions = partial(_complete, endpoint="completions")
+completions.__doc__ = "POST /v1/completions."
 
 
 def _repeat_hit(request: web.Request, repeat: Repeat, hot: Hot, ttl: float | None

@@ -139,16 +139,16 @@ class Template:
     # Filled as a join of the parts around each "id"…"created" run (a stream repeats both
     # in every chunk): a tenth of the cost of a %-format with a value per mark. Bodies in
     # another shape are filled as a %-format.
-    _between: bytes | None = field(init=False, repr=False, compare=False)
-    _parts: list[bytes] = field(init=False, repr=False, compare=False)
-    _format: bytes = field(init=False, repr=False, compare=False)
+    _between: bytes | None = field(init=False, repr=False, compare=False, default=None)
+    _parts: tuple[bytes, ...] = field(init=False, repr=False, compare=False, default=())
+    _format: bytes = field(init=False, repr=False, compare=False, default=b"")
 
     def __post_init__(self) -> None:
         between = _between_marks(self.body)
         object.__setattr__(self, "_between", between)
         if between is not None:
-            object.__setattr__(self, "_parts", self.body.split(
-                _ID_BYTES + between + _CREATED_BYTES))
+            object.__setattr__(self, "_parts", tuple(self.body.split(
+                _ID_BYTES + between + _CREATED_BYTES)))
             return
         # Inside JSON strings quotes are escaped, so these byte runs only match the fields.
         fmt = self.body.replace(b"%", b"%%").replace(_ID_BYTES, b'"id":"%(i)s"')

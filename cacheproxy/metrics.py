@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -24,6 +25,7 @@ MINUTES = 15  # of per-minute counts kept for the status page
 FOLD_EVERY = 0.1  # seconds between folds of the recorded requests into the counts
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                    10, 30, 60)
+log = structlog.get_logger("cacheproxy.metrics")
 _LE = [floatToGoString(b) for b in LATENCY_BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
 
 
@@ -60,7 +62,7 @@ class Totals:
     saved_seconds: float
 
 
-Finished = tuple[str, int, float, dict[str, Any]]
+FinishedRequest = tuple[str, int, float, dict[str, Any]]
 """A finished request: (endpoint, HTTP status, seconds, its cache log fields)."""
 
 
@@ -78,8 +80,8 @@ class RequestTally(Collector):
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
-        self._pending: list[Finished] = []
-        self.record: Callable[[Finished], None] = self._pending.append
+        self._pending: list[FinishedRequest] = []
+        self.record: Callable[[FinishedRequest], None] = self._pending.append
         self._by_cache: defaultdict[str, int] = defaultdict(int)  # requests by cache status
         self._minutes: deque[tuple[int, dict[str, int]]] = deque(maxlen=MINUTES)
         self._requests: defaultdict[tuple[str, str, str, int], int] = defaultdict(int)
@@ -100,34 +102,48 @@ class RequestTally(Collector):
             return
         batch = self._pending[:]
         self._pending.clear()  # in place: `record` is this list's append
+        counts: dict[str, int] | None = None  # this minute's, made by its first API request
+        failed = 0
+        for endpoint, status, seconds, info in batch:
+            try:
+                cache = info.get("cache", "NONE")
+                self._requests[endpoint, cache, info.get("reason", ""), status] += 1
+                self._latency[cache].observe(seconds)
+                if not info:
+                    continue  # not an API request: no cache status, tokens or minutes
+                if counts is None:
+                    counts = self._minute()
+                self._by_cache[cache] += 1
+                counts[cache] = counts.get(cache, 0) + 1
+                if cache == "HIT":
+                    self._saved_tokens += info.get("tokens", 0)
+                    self._saved_seconds += info.get("runner_ms", 0.0) / 1000
+                elif cache == "COALESCED":
+                    self._coalesced += 1
+                    self._saved_tokens += info.get("tokens", 0)
+                elif cache in ("MISS", "BYPASS") and "runner_ms" in info:
+                    self._generation.observe(info["runner_ms"] / 1000)
+                    self._generated_tokens += info.get("tokens", 0)
+            except Exception:  # a malformed record costs its own counts, not the batch's
+                failed += 1
+        if failed:
+            log.error("tally_records_skipped", count=failed)
+
+    def _minute(self) -> dict[str, int]:
         minute = int(self._clock()) // 60
         if not self._minutes or self._minutes[-1][0] != minute:
             self._minutes.append((minute, {}))
-        counts = self._minutes[-1][1]
-        for endpoint, status, seconds, info in batch:
-            cache = info.get("cache", "NONE")
-            self._requests[endpoint, cache, info.get("reason", ""), status] += 1
-            self._latency[cache].observe(seconds)
-            if not info:
-                continue  # not an API request: no cache status, tokens or minutes to count
-            self._by_cache[cache] += 1
-            counts[cache] = counts.get(cache, 0) + 1
-            if cache == "HIT":
-                self._saved_tokens += info.get("tokens", 0)
-                self._saved_seconds += info.get("runner_ms", 0.0) / 1000
-            elif cache == "COALESCED":
-                self._coalesced += 1
-                self._saved_tokens += info.get("tokens", 0)
-            elif cache in ("MISS", "BYPASS") and "runner_ms" in info:
-                self._generation.observe(info["runner_ms"] / 1000)
-                self._generated_tokens += info.get("tokens", 0)
+        return self._minutes[-1][1]
 
     async def fold_periodically(self) -> None:
         """Fold every FOLD_EVERY seconds, until cancelled (then once more)."""
         try:
             while True:
                 await asyncio.sleep(FOLD_EVERY)
-                self.fold()
+                try:
+                    self.fold()
+                except Exception:  # a bug here must not stop the counting (nor grow the list)
+                    log.exception("tally_fold_failed")
         finally:
             self.fold()
 

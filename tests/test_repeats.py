@@ -3,6 +3,7 @@ served once the store, the request's directives or the serving model say otherwi
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from typing import Any
@@ -146,5 +147,6 @@ def test_a_template_fills_every_id_and_time_and_keeps_percent_signs(shape: str) 
     expected = body.replace(f'"{ID_MARK}"'.encode(), b'"chatcmpl-x1"').replace(
         str(CREATED_MARK).encode(), b"1796010318")
     assert filled == expected
+    assert copy.copy(template).fill("chatcmpl-x1", 1796010318) == expected  # every field set
     events = [json.loads(line[6:]) for line in filled.split(b"\n\n") if line]
     assert [e.get("content") for e in events][:1] == ["100%(i)s sure, 5%"]

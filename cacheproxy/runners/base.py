@@ -54,7 +54,9 @@ class Generation:
     def put(self, event: Event) -> None:
         """Deliver an event from the loop's own thread (no cross-thread wake-up per token)."""
         if self._relay is not None and not self._events and type(event) is Chunk:
-            self._relay(event)  # nothing queued before it: hand it on where it arrives
+            # Nothing queued before it: hand it on where it arrives, on the producer's stack
+            # (so `publish` must neither raise nor block).
+            self._relay(event)
             return
         self._events.append(event)
         if self._waiter is not None and not self._waiter.done():
