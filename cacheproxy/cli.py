@@ -7,6 +7,7 @@ import asyncio
 import gc
 import json
 import os
+import resource
 import signal
 import sys
 from pathlib import Path
@@ -102,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+FILES_BESIDES_CONNECTIONS = 64  # store, upstream, model and log files
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script and of `python -m cacheproxy`."""
     args = _parser().parse_args(argv)
@@ -166,12 +170,34 @@ def serve(settings: Settings) -> int:
 
     from cacheproxy import logs
 
+    files = resource.getrlimit(resource.RLIMIT_NOFILE)  # before mlx-lm is imported
     batched = logs.configure(fmt=settings.log_format, level=settings.log_level)
-    uvloop.run(_serve(settings, batched))
+    uvloop.run(_serve(settings, batched, files))
     return 0
 
 
-async def _serve(settings: Settings, batched: BatchedLines | None) -> None:
+def _restore_file_limit(before: tuple[int, int], max_connections: int) -> None:
+    """mlx-lm sets the open-file limit to (2048, 4096) when it is imported (mlx_lm/utils.py):
+    put back the limit the process started with, or as much of it as it may (raising a hard
+    limit takes privileges), and warn when that leaves too few for max_connections."""
+    now = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if now != before:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, before)
+        except (ValueError, OSError):  # the hard limit stays lowered: the soft one up to it
+            soft, hard = before[0], now[1]
+            if hard != resource.RLIM_INFINITY and (soft == resource.RLIM_INFINITY or soft > hard):
+                soft = hard
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY and soft < max_connections + FILES_BESIDES_CONNECTIONS:
+        print(f"cacheproxy: WARNING: the open-file limit ({soft}) leaves room for fewer than "
+              f"--max-connections {max_connections} client connections; raise it (ulimit -n) "
+              "or lower --max-connections", file=sys.stderr, flush=True)
+
+
+async def _serve(settings: Settings, batched: BatchedLines | None,
+                 files: tuple[int, int]) -> None:
     from aiohttp import web
 
     from backends import redact_url
@@ -187,6 +213,7 @@ async def _serve(settings: Settings, batched: BatchedLines | None) -> None:
         limit_connections(runner.server, settings.max_connections)
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
+    _restore_file_limit(files, settings.max_connections)  # the runner has imported mlx-lm
     # The model, tokenizer and imports are ~100k long-lived objects: out of the collector's
     # sight, a full collection no longer rescans them (it cost ~80 ms every ~20k hits).
     gc.collect()

@@ -214,3 +214,70 @@ def test_connections_past_the_bound_get_503(tmp_path: Path) -> None:
         time.sleep(0.2)
         with urllib.request.urlopen(url + "/health", timeout=5) as resp:
             assert resp.status == 200  # the held connections are gone: admitted again
+
+
+def _open_file_limit(pid: int) -> tuple[int, int]:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError("no open-file limit in /proc")
+
+
+def test_serve_keeps_the_open_file_limit_mlx_lm_lowers_and_warns_when_it_is_short() -> None:
+    """mlx-lm sets (2048, 4096) on import; the server puts back what it started with (3000
+    here, under any hard limit a user may keep) and says that 5000 connections will not fit."""
+    import resource
+
+    port = free_port()
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+
+    def start_with_3000() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (3000, hard))
+
+    proc = subprocess.Popen([*CLI, "serve", "--port", str(port), "--store", "memory://",
+                             "--max-connections", "5000"], preexec_fn=start_with_3000,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.2)
+        import mlx_lm  # noqa: F401  (what the server imported: is it still lowering the limit?)
+
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] <= 2048, \
+            "mlx-lm no longer lowers the limit on import: this test and the workaround can go"
+        soft_now, hard_now = _open_file_limit(proc.pid)
+        assert soft_now == 3000  # not mlx-lm's 2048
+        assert hard_now in (hard, 4096)  # put back where the process may raise it (privileges)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0].decode()
+    assert proc.returncode == 0, out
+    assert "WARNING: the open-file limit (3000) leaves room for fewer than " \
+        "--max-connections 5000" in out
+
+
+def test_a_hard_limit_that_cannot_be_raised_again_leaves_the_soft_one_under_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Fake: a process without privileges cannot raise a hard limit; root (these tests) can."""
+    import resource
+
+    from cacheproxy import cli
+
+    calls: list[tuple[int, int]] = []
+
+    def setrlimit(_: int, limits: tuple[int, int]) -> None:
+        calls.append(limits)
+        if limits[1] > 4096:
+            raise ValueError("not allowed to raise maximum limit")
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (2048, 4096))
+    monkeypatch.setattr(resource, "setrlimit", setrlimit)
+    cli._restore_file_limit((65536, 65536), 1000)
+    assert calls == [(65536, 65536), (4096, 4096)]
+    assert "WARNING" not in capsys.readouterr().err  # 2048 (the fake reads it) fits 1000
