@@ -92,10 +92,6 @@ class RequestTally(Collector):
         self._saved_seconds = 0.0
         self._coalesced = 0
 
-    def observe(self, endpoint: str, status: int, seconds: float, info: dict[str, Any]) -> None:
-        """One finished request (info is the request's cache log fields)."""
-        self.record((endpoint, status, seconds, info))
-
     def fold(self) -> None:
         """Count the requests recorded since the last fold."""
         if not self._pending:

@@ -93,7 +93,7 @@ def test_latency_histogram_matches_prometheus_client() -> None:
     reference = Histogram("cacheproxy_request_seconds", "Request latency by cache status",
                           ["cache"], buckets=LATENCY_BUCKETS, registry=registry)
     for seconds in (0.0001, 0.0005, 0.0006, 0.001, 0.3, 60.0, 75.0):  # edges are inclusive
-        ours.tally.observe("/v1/chat/completions", 200, seconds, {"cache": "HIT"})
+        ours.tally.record(("/v1/chat/completions", 200, seconds, {"cache": "HIT"}))
         reference.labels("HIT").observe(seconds)
 
     def series(text: bytes) -> set[str]:
@@ -111,8 +111,8 @@ def test_recorded_requests_count_once_folded_by_a_reader_or_the_timer() -> None:
     hit = logs.SharedFields({"cache": "HIT", "reason": "greedy", "tokens": 7, "runner_ms": 500.0})
     for _ in range(3):
         tally.record(("/v1/chat/completions", 200, 0.001, hit))  # what the edge calls
-    tally.observe("/v1/chat/completions", 200, 0.2, {"cache": "MISS", "reason": "greedy",
-                                                     "tokens": 7, "runner_ms": 180.0})
+    tally.record(("/v1/chat/completions", 200, 0.2, {"cache": "MISS", "reason": "greedy",
+                                                     "tokens": 7, "runner_ms": 180.0}))
     first = tally.totals()  # a reader folds what was recorded
     assert first.by_cache == {"HIT": 3, "MISS": 1}
     assert (first.saved_tokens, first.saved_seconds) == (21, 1.5)
