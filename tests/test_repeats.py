@@ -122,7 +122,7 @@ async def test_an_open_breaker_is_not_bypassed_by_a_repeat(make_proxy: ProxyFact
     assert again["X-Cache"] == "BYPASS; reason=store-unavailable"
 
 
-SHAPES = {  # event field orders: the join fills the first, a %-format the others
+SHAPES = {  # event field orders: the join fills the first, two replaces the others
     "id-then-created": ([("id", "created", "content")] * 2, True),
     "created-then-id": ([("created", "id", "content")] * 2, False),
     "other-field-between": ([("id", "created", "content"), ("id", "model", "created")], False),
