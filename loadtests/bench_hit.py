@@ -455,6 +455,12 @@ def _default_cacheproxy() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "cacheproxy"]
 
 
+def check_timing(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--duration, --warmup and --rounds as measure() needs them (hit_path.py shares it)."""
+    if args.duration <= 0 or args.warmup < 0 or args.rounds < 1:
+        p.error("--duration must be > 0, --warmup >= 0 and --rounds >= 1")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -487,8 +493,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     if not args.concurrency or min(args.concurrency) < 1:
         p.error("--concurrency needs positive integers")
-    if args.duration <= 0 or args.warmup < 0 or args.rounds < 1:
-        p.error("--duration must be > 0, --warmup >= 0 and --rounds >= 1")
+    check_timing(p, args)
     args.cacheproxy = args.cacheproxy or _default_cacheproxy()
     args.pin = args.pin and (os.cpu_count() or 1) >= 2
     return args

@@ -167,8 +167,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke:
         args.stores, args.concurrency, args.duration, args.warmup, args.rounds = \
             "tiered", "1", 1, 0, 1
-    if args.duration <= 0 or args.warmup < 0 or args.rounds < 1:
-        p.error("--duration must be > 0, --warmup >= 0 and --rounds >= 1")
+    bench_hit.check_timing(p, args)
     args.stores = [s.strip() for s in args.stores.split(",") if s.strip()]
     if not set(args.stores) <= set(STORES):
         p.error(f"--stores: choose from {', '.join(STORES)}")
