@@ -58,6 +58,15 @@ class Scan(Protocol):
 
 
 @runtime_checkable
+class Peek(Protocol):
+    """Optional capability: a value this process holds in memory, read without I/O."""
+
+    def peek(self, key: str) -> bytes | None:
+        """The live value when it is held in this process (its recency refreshed, as get
+        does); None when it is not, which says nothing about the store: ask get()."""
+
+
+@runtime_checkable
 class NamespaceStats(Protocol):
     """Optional capability: size of one namespace."""
 

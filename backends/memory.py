@@ -50,10 +50,10 @@ class MemoryBackend:
 
     async def get(self, key: str) -> bytes | None:
         """The value, refreshing its recency; an expired entry is dropped and misses."""
-        return self.lookup(key)
+        return self.peek(key)
 
-    def lookup(self, key: str) -> bytes | None:
-        """get() without a coroutine, for a tier in front of another store (no I/O here)."""
+    def peek(self, key: str) -> bytes | None:
+        """get() without a coroutine: everything is held here, so None is a miss."""
         self._check_open()
         entry = self._entries.get(key)
         if entry is None:

@@ -73,7 +73,7 @@ class TieredBackend:
 
     async def get(self, key: str) -> bytes | None:
         """L1, else L2 (copying a hit into L1)."""
-        value = self._l1.lookup(key)  # no coroutine per hit
+        value = self._l1.peek(key)  # no coroutine per hit
         if value is not None:
             return value
         epoch = self._epoch
@@ -81,6 +81,10 @@ class TieredBackend:
         if value is not None and epoch == self._epoch:
             await self._l1.set(key, value, self._l1_ttl)
         return value
+
+    def peek(self, key: str) -> bytes | None:
+        """The L1 value, if any (None: ask get, which reads L2)."""
+        return self._l1.peek(key)
 
     async def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
         """Store in L2, then in L1 for at most l1_ttl."""

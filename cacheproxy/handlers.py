@@ -40,7 +40,8 @@ async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     scope = request.get(IDENTITY, "") if settings.cache_scope == "per-key" else ""
     control = request.headers.get("Cache-Control")
     if control is None and (repeat := hot.repeats.get(endpoint, scope, raw)) is not None:
-        if await proxy.still_stored(repeat.key, repeat.data, repeat.fingerprint):
+        if proxy.still_held(repeat.key, repeat.data, repeat.fingerprint) or \
+                await proxy.still_stored(repeat.key, repeat.data, repeat.fingerprint):
             return _repeat_hit(request, repeat, hot, settings.ttl)
         hot.repeats.forget(endpoint, scope, raw)
     parsed = hot.parser.parse(raw, endpoint, proxy.runner.defaults(), settings.sampling)

@@ -24,7 +24,7 @@ from typing import TypeVar
 import msgpack
 import structlog
 
-from backends.base import Backend, BackendError, DistributedLock
+from backends.base import Backend, BackendError, DistributedLock, Peek
 from cacheproxy import __version__, codec
 from cacheproxy.breaker import Breaker, StoreUnavailable
 from cacheproxy.canonical import CanonicalRequest, Parsed
@@ -100,6 +100,7 @@ class CachingProxy:
         self.breaker = Breaker(cooldown=options.store_retry)
         self.fleet = Fleet(store, lock_ttl=options.lock_ttl, wait=options.generation_timeout) \
             if isinstance(store, DistributedLock) else None
+        self._peek = store.peek if isinstance(store, Peek) else None
 
     async def answer(
         self, parsed: Parsed, *, directives: RequestDirectives = NO_DIRECTIVES, scope: str = ""
@@ -155,6 +156,19 @@ class CachingProxy:
         flight, leader = self.flights.join(key, fill)
         return Answer("MISS" if leader else "COALESCED", decision.reason, key, fingerprint,
                       flight=flight)
+
+    def still_held(self, key: str, data: bytes, fingerprint: object) -> bool:
+        """still_stored() answered without I/O, where the store holds the value in this
+        process (memory, a tiered store's L1): True when it holds; False when it does not
+        or when telling takes a store call (then ask still_stored)."""
+        if self._peek is None or not (self._gate_open() and self.runner.fingerprint() is
+                                      fingerprint and self.breaker.closed):
+            return False
+        try:
+            now = self._peek(key)
+        except BackendError:  # closed: the full path says what that means
+            return False
+        return now is data or now == data  # equal: read back into an L1, say
 
     async def still_stored(self, key: str, data: bytes, fingerprint: object) -> bool:
         """Whether an earlier HIT still holds for a repeat of its request, so that the full

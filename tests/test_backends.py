@@ -6,6 +6,7 @@ Redis). A test marked @needs(...) runs only on the kinds with those capabilities
   exact_bytes  stats().bytes is the sum of keys + values (Redis reports used_memory)
   max_bytes    the URL's max_bytes bounds the store and stats() reports it
   lru          eviction is exact LRU on max_bytes (Redis evicts approximately, by maxmemory)
+  peek         values held in process memory are read without I/O (memory, tiered's L1)
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from backends import (
     default_disk_url,
     open_backend,
 )
-from backends.base import PURGE_BATCH, NamespaceStats, Scan
+from backends.base import PURGE_BATCH, NamespaceStats, Peek, Scan
 from backends.disk import DB_FILENAME
 
 OpenStore = Callable[..., Backend]
@@ -74,12 +75,12 @@ class Kind:
 
 _LOCAL = frozenset({"clock", "exact_bytes", "max_bytes", "lru"})
 KINDS = [
-    Kind("memory", _LOCAL),
+    Kind("memory", _LOCAL | {"peek"}),
     Kind("disk", _LOCAL),
-    Kind("tiered-disk", _LOCAL - {"lru"}),  # L1 may still serve what L2 evicted
+    Kind("tiered-disk", _LOCAL - {"lru"} | {"peek"}),  # L1 may still serve what L2 evicted
     Kind("redis", frozenset()),
     Kind("redis-cluster", frozenset()),
-    Kind("tiered-redis", frozenset()),
+    Kind("tiered-redis", frozenset({"peek"})),
 ]
 
 
@@ -171,6 +172,29 @@ class TestBackendContract:
         assert isinstance(store, StoreStats)
         assert isinstance(store, Scan)
         assert isinstance(store, NamespaceStats)
+
+    async def test_peek_is_offered_where_values_are_held_in_process(
+        self, kind: Kind, store: Backend
+    ) -> None:
+        assert isinstance(store, Peek) == ("peek" in kind.capabilities)
+
+    @needs("peek")
+    async def test_peek_never_sees_more_than_get(
+        self, kind: Kind, store: Backend, clock: FakeClock
+    ) -> None:
+        assert isinstance(store, Peek)
+        assert store.peek("k") is None
+        await store.set("k", b"v", ttl=2 * kind.tick)
+        assert store.peek("k") == b"v" == await store.get("k")  # a write is held here
+        await elapse(kind, clock, 3)
+        assert store.peek("k") is None and await store.get("k") is None
+        await store.set("k", b"w")
+        await store.delete("k")
+        assert store.peek("k") is None
+        await store.set("k", b"x")
+        await store.aclose()
+        with pytest.raises(BackendError):
+            store.peek("k")
 
     async def test_missing_key_is_none(self, store: Backend) -> None:
         assert await store.get("nope") is None

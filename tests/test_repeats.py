@@ -8,10 +8,13 @@ import dataclasses
 import json
 from typing import Any
 
+from pathlib import Path
+
 import aiohttp
 import pytest
 from multidict import CIMultiDict
 
+from backends import TieredBackend
 from cacheproxy import codec
 from cacheproxy.canonical import Parsed
 from cacheproxy.hot import CREATED_MARK, ID_MARK, Template
@@ -74,6 +77,46 @@ async def test_a_repeat_answers_as_the_full_path_did(
     assert json.loads(again_body.split(b"\n")[0].removeprefix(b"data: "))["id"] != \
         json.loads(full_body.split(b"\n")[0].removeprefix(b"data: "))["id"]
     assert proxy.app[PROXY].runner.generations >= 1
+
+
+def _count_gets(proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+    real_get = proxy.store.get
+
+    async def counted(key: str) -> bytes | None:
+        calls.append(key)
+        return await real_get(key)
+
+    monkeypatch.setattr(proxy.store, "get", counted)
+    return calls
+
+
+async def test_a_repeat_held_in_memory_takes_no_store_call(
+    make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proxy = await make_proxy()
+    await _post(proxy)
+    await _post(proxy)
+    _never_parse(proxy, monkeypatch)
+    gets = _count_gets(proxy, monkeypatch)
+    again, _ = await _post(proxy)
+    assert again["X-Cache"] == "HIT" and gets == []  # peeked, not awaited
+
+
+async def test_a_repeat_not_in_l1_reads_l2(
+    make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    proxy = await make_proxy(store=f"tiered+disk://{tmp_path / 'l2'}")
+    await _post(proxy)
+    hit, _ = await _post(proxy)
+    _never_parse(proxy, monkeypatch)
+    assert isinstance(proxy.store, TieredBackend)
+    assert await proxy.store.l1.delete(hit["X-Cache-Key"])  # as when its l1_ttl ran out
+    gets = _count_gets(proxy, monkeypatch)
+    again, _ = await _post(proxy)
+    assert again["X-Cache"] == "HIT" and gets == [hit["X-Cache-Key"]]
+    held, _ = await _post(proxy)  # read back into L1: peeked again
+    assert held["X-Cache"] == "HIT" and gets == [hit["X-Cache-Key"]]
 
 
 async def test_a_deleted_entry_is_generated_again(make_proxy: ProxyFactory) -> None:

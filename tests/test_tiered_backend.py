@@ -71,6 +71,17 @@ async def test_l2_hit_fills_l1(l2: ProbedStore, clock: FakeClock) -> None:
     assert await store.l1.get("k") == b"from another replica"
 
 
+async def test_peek_answers_from_l1_only(l2: ProbedStore, clock: FakeClock) -> None:
+    store = tiered(l2, clock, l1_ttl=5)
+    await l2.set("k", b"from another replica")
+    assert store.peek("k") is None  # held in L2 only: peek cannot tell, get reads it
+    assert await store.get("k") == b"from another replica"
+    assert store.peek("k") == b"from another replica" and l2.reads == 1
+    clock.advance(5)
+    assert store.peek("k") is None  # L1 dropped it after l1_ttl; L2 still holds it
+    assert await store.get("k") == b"from another replica" and l2.reads == 2
+
+
 async def test_l1_keeps_entries_at_most_l1_ttl(l2: ProbedStore, clock: FakeClock) -> None:
     store = tiered(l2, clock, l1_ttl=5)
     await store.set("forever", b"v")
