@@ -5,11 +5,12 @@ store (memory, disk, Redis, tiered over Redis) and for non-stream and stream, be
 `cacheproxy serve --store <store>` (log level info, the default) and a bare aiohttp responder
 answering the same HIT bytes, primes and verifies a HIT, then drives both with wrk (one
 thread) at concurrency 1, 16 and 64: servers pinned to core 0, wrk to core 1. The ceiling is
-measured in the same run as each store, in 3 rounds per point (bare and cacheproxy in turn,
-the order alternating); the ratio reported is the round with the median ratio. A private
+measured in the same run as each store, in 3 rounds per point, each on fresh server
+processes (bare and cacheproxy in turn, the order alternating); the ratio reported is the
+round with the median ratio. A private
 redis-server (no persistence) runs on the server core for the Redis and tiered stores.
 
-    python loadtests/hit_path.py                       # ~9 min: 3 rounds of 2 s (+1 s warm-up)
+    python loadtests/hit_path.py                       # ~10 min: 3 rounds of 2 s (+1 s warm-up)
     python loadtests/hit_path.py --stores memory,redis --duration 10
     python loadtests/hit_path.py --smoke --out /tmp/h  # tiered only, concurrency 1, 1 s
 
