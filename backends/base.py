@@ -63,7 +63,8 @@ class Peek(Protocol):
 
     def peek(self, key: str) -> bytes | None:
         """The live value when it is held in this process (its recency refreshed, as get
-        does); None when it is not, which says nothing about the store: ask get()."""
+        does); None when it is not, which says nothing about the store: ask get(). A fake
+        that overrides get() to inject faults must override peek() too."""
 
 
 @runtime_checkable

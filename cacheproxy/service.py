@@ -159,8 +159,8 @@ class CachingProxy:
 
     def still_held(self, key: str, data: bytes, fingerprint: object) -> bool:
         """still_stored() answered without I/O, where the store holds the value in this
-        process (memory, a tiered store's L1): True when it holds; False when it does not
-        or when telling takes a store call (then ask still_stored)."""
+        process (memory, a tiered store's L1): True when it holds. False never means the
+        HIT is gone: ask still_stored then."""
         if self._peek is None or not (self._gate_open() and self.runner.fingerprint() is
                                       fingerprint and self.breaker.closed):
             return False

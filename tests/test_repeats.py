@@ -6,9 +6,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
