@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import shutil
+import weakref
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -203,6 +205,29 @@ async def test_requests_during_a_reload_wait_and_key_under_the_new_fingerprint(
     status, headers = await _during_a_reload_to_q8(proxy, quantized, tmp_path)
     assert status == 200
     assert headers["X-Cache-Fingerprint"] == runner.fingerprint().digest != old
+
+
+async def test_a_reload_under_a_frozen_heap_frees_the_replaced_model(
+    make_proxy: ProxyFactory, own_runner: list[MlxRunner], tmp_path: Path,
+) -> None:
+    runner = await _start(own_runner, write_copy(tmp_path / "served"))
+    proxy = await make_proxy(the_runner=runner, watch_interval=60)
+    tokenizer = runner._loaded.tokenizer
+    # Many tokenizers and models hold reference cycles; the demo model's hold none, so one is
+    # added: the replaced tokenizer can then only go by the cycle collector, never by
+    # reference counting.
+    tokenizer.cycle = tokenizer
+    replaced = weakref.ref(tokenizer)
+    del tokenizer
+    gc.collect()
+    gc.freeze()  # as `cacheproxy serve` does once started: the model is in the frozen heap
+    try:
+        await proxy.app[INVALIDATOR].reload()
+        assert proxy.app[INVALIDATOR].counters["reloads"] == 1
+        assert gc.get_freeze_count() > 0  # frozen again, with the new model
+        assert replaced() is None  # the old one was collected, not kept frozen
+    finally:
+        gc.unfreeze()
 
 
 async def test_a_remembered_hit_is_not_served_across_a_reload(
