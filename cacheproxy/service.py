@@ -157,12 +157,17 @@ class CachingProxy:
         return Answer("MISS" if leader else "COALESCED", decision.reason, key, fingerprint,
                       flight=flight)
 
+    def _serving_as_then(self, fingerprint: object) -> bool:
+        """The conditions of a remembered HIT that need no store: no reload in progress,
+        that very fingerprint serving, the store's breaker closed."""
+        return self._gate_open() and self.runner.fingerprint() is fingerprint and \
+            self.breaker.closed
+
     def still_held(self, key: str, data: bytes, fingerprint: object) -> bool:
         """still_stored() answered without I/O, where the store holds the value in this
         process (memory, a tiered store's L1): True when it holds. False never means the
         HIT is gone: ask still_stored then."""
-        if self._peek is None or not (self._gate_open() and self.runner.fingerprint() is
-                                      fingerprint and self.breaker.closed):
+        if self._peek is None or not self._serving_as_then(fingerprint):
             return False
         try:
             now = self._peek(key)
@@ -174,8 +179,7 @@ class CachingProxy:
         """Whether an earlier HIT still holds for a repeat of its request, so that the full
         order of operations would give the same answer: the gate is open, the runner serves
         that very fingerprint, the breaker is closed and the store returns the same bytes."""
-        if not (self._gate_open() and self.runner.fingerprint() is fingerprint
-                and self.breaker.closed):
+        if not self._serving_as_then(fingerprint):
             return False
         try:
             now = await self._guarded(self.store.get(key))
