@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from cacheproxy.codec import Chunk, Output
 from cacheproxy.errors import GenerationFailed, ProxyError
+from cacheproxy.live import Live
 
 
 class Flight:
@@ -28,6 +29,7 @@ class Flight:
         self.followers = 0
         self.generation_ms: float | None = None
         self.revalidated: str | None = None  # "match" | "mismatch" after a no-cache refill
+        self.live = Live()  # a streaming reader takes the chunks as they come
         self._changed = asyncio.Event()  # replaced at every change: wakes every reader
         self._ended = asyncio.Event()  # set once: wakes whole-answer readers only at the end
 
@@ -75,6 +77,7 @@ class Flight:
 
     async def follow(self) -> AsyncIterator[Chunk]:
         """Every chunk from the first, then live ones, until the fill ends."""
+        self.live.start()  # a no-op when the reader said so as it joined, as it should
         index = 0
         while True:
             while index < len(self.chunks):

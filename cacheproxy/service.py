@@ -112,11 +112,12 @@ class CachingProxy:
         key = make_key(request, fingerprint, scope=scope)
         decision = parsed.sampling.decision
         never_generate = directives.only_if_cached
+        live = parsed.delivery.stream
         if not decision.cacheable:
             if never_generate:
                 raise NotCached(f"this request is never cached ({decision.reason})")
             fill = self._fill(request, fingerprint, store=False, recheck=False)
-            flight, _ = self.flights.join(key, fill, shared=False)
+            flight, _ = self._join(key, fill, live, shared=False)
             return Answer("BYPASS", decision.reason, key, fingerprint, flight=flight,
                           stores=False)
         try:
@@ -126,7 +127,7 @@ class CachingProxy:
                 raise NotCached("the store is unavailable and only-if-cached was asked") from None
             # Keep answering without the store; unshared: a follower would believe it stored.
             fill = self._fill(request, fingerprint, store=False, recheck=False)
-            flight, _ = self.flights.join(key, fill, shared=False)
+            flight, _ = self._join(key, fill, live, shared=False)
             return Answer("BYPASS", "store-unavailable", key, fingerprint, flight=flight,
                           stores=False)
         if found is not None:
@@ -142,7 +143,7 @@ class CachingProxy:
             # Not usable for this request (no-cache, max-age): generate again and replace.
             fill = self._fill(request, fingerprint, store=not directives.no_store,
                               recheck=False, previous=record)
-            flight, _ = self.flights.join(key, fill, shared=False)
+            flight, _ = self._join(key, fill, live, shared=False)
             return Answer("MISS", fresh.reason, key, fingerprint, flight=flight,
                           stores=not directives.no_store)
         if directives.only_if_cached:
@@ -150,12 +151,21 @@ class CachingProxy:
         if directives.no_store and not self.flights.running(key):
             # Lead no shared fill: followers of a fill that does not store would miss again.
             fill = self._fill(request, fingerprint, store=False, recheck=False)
-            flight, _ = self.flights.join(key, fill, shared=False)
+            flight, _ = self._join(key, fill, live, shared=False)
             return Answer("MISS", "no-store", key, fingerprint, flight=flight, stores=False)
         fill = self._fill(request, fingerprint, store=True, recheck=True)
-        flight, leader = self.flights.join(key, fill)
+        flight, leader = self._join(key, fill, live)
         return Answer("MISS" if leader else "COALESCED", decision.reason, key, fingerprint,
                       flight=flight)
+
+    def _join(self, key: str, fill: Fill, live: bool, *, shared: bool = True
+              ) -> tuple[Flight, bool]:
+        """Join (or lead) the flight for key; a streaming reader (`live`) says so at once,
+        so the runner delivers the tokens as they come rather than gathered."""
+        flight, leader = self.flights.join(key, fill, shared=shared)
+        if live:
+            flight.live.start()
+        return flight, leader
 
     def _serving_as_then(self, fingerprint: object) -> bool:
         """The conditions of a remembered HIT that need no store: no reload in progress,
@@ -283,6 +293,7 @@ class CachingProxy:
         """Run the generation on the lane, publish it live, store it if it may be stored."""
         started = time.monotonic()
         generation = self.runner.generate(request)
+        flight.live.when(generation.live.start)
         try:
             async with asyncio.timeout(self._options.generation_timeout):
                 output = await generation.relay(flight.publish)

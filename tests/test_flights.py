@@ -10,7 +10,7 @@ import pytest
 from cacheproxy.codec import Chunk, Output
 from cacheproxy.errors import GenerationTimeout
 from cacheproxy.flights import Flight
-from cacheproxy.runners.base import Failed, Finished, Generation
+from cacheproxy.runners.base import Failed, Finished, Generation, Live
 
 CHUNKS = tuple(Chunk(text=f"w{i} ", tokens=(i,)) for i in range(20))
 OUTPUT = Output(chunks=CHUNKS, finish_reason="length", prompt_tokens=3, completion_tokens=20)
@@ -100,3 +100,30 @@ async def test_a_relayed_generation_raises_the_runner_error() -> None:
         await generation.relay(got.append)
     await producer
     assert [c.text for c in got] == ["a"]
+
+
+async def test_live_tells_each_listener_once_and_late_listeners_at_once() -> None:
+    live, calls = Live(), []
+    live.when(lambda: calls.append("early"))
+    assert calls == [] and not live.on
+    live.start()
+    live.start()
+    live.when(lambda: calls.append("late"))
+    assert live.on and calls == ["early", "late"]
+
+
+async def test_a_flight_followed_and_a_cancelled_generation_read_live() -> None:
+    flight, generation = Flight("k"), Generation()
+    flight.live.when(generation.live.start)  # as the service wires a fill
+    whole = asyncio.create_task(flight.ended())
+    await asyncio.sleep(0)
+    assert not generation.live.on  # a whole-answer reader lets the runner gather
+    following = flight.follow()
+    flight.publish(CHUNKS[0])
+    assert await anext(following) == CHUNKS[0] and generation.live.on
+    await following.aclose()
+    flight.finish(OUTPUT)
+    await whole
+    cancelled = Generation()
+    cancelled.cancel()  # so that a gathering producer sees the next token
+    assert cancelled.live.on

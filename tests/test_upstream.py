@@ -7,8 +7,10 @@ Two upstreams live for the session; a test that kills one starts its own. Relays
 from __future__ import annotations
 
 import asyncio
+import gc
 import subprocess
 import sys
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,14 +27,17 @@ from structlog.testing import capture_logs
 from backends import open_backend
 from backends.base import Backend
 from cacheproxy.app import create_app
+from cacheproxy.canonical import parse
 from cacheproxy.demo_model import write_copy
 from cacheproxy.runners.pool import agree
+from cacheproxy.runners.upstream import UpstreamOptions, UpstreamRunner
 from cacheproxy.runners.upstream_wire import parse_system_fingerprint, rejection
 from cacheproxy.settings import Settings, build_settings
 from cacheproxy.state import INVALIDATOR, PROXY
 from policies.sampling import SamplingMode
 from tests.conftest import free_port
 from tests.test_proxy_e2e import NO_EOS
+from tests.test_upstream_stream import bursts, linux
 from tests.upstreams import Relay, Upstream
 
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
@@ -224,6 +229,26 @@ async def test_stop_strings_cut_the_openai_way(
             assert data["usage"]["prompt_tokens"] > 0
 
 
+async def test_a_stop_string_is_read_live_and_the_upstream_hung_up_on_there(
+    upstreams: list[Upstream], start_proxy: Callable[..., Awaitable[UpProxy]],
+    relay: Callable[[str], Awaitable[Relay]],
+) -> None:
+    recording = await relay(upstreams[0].url)
+    proxy = await start_proxy([recording.url])
+    async with aiohttp.ClientSession() as session:
+        long = _chat("What does the fox eat?", max_tokens=200, logit_bias=NO_EOS)
+        full = await _direct(session, upstreams[0].url, long)
+        word = full.split()[2]
+        status, cache, data = await _post(session, proxy.url + CHAT, {**long, "stop": [word]})
+        assert (status, cache, _content(data)) == (200, "MISS", full[: full.index(word)])
+        for _ in range(100):
+            if recording.relayed:
+                break
+            await asyncio.sleep(0.05)
+    # Gathered, all 200 events would have been read before the cut was seen.
+    assert len(recording.relayed) == 1 and recording.relayed[0] < 100, recording.relayed
+
+
 async def test_pool_spreads_concurrent_misses(
     upstreams: list[Upstream], start_proxy: Callable[..., Awaitable[UpProxy]],
     relay: Callable[[str], Awaitable[Relay]],
@@ -326,6 +351,92 @@ async def test_leader_disconnect_mid_stream_still_stores(
             await asyncio.sleep(0.05)
         status, cache, data = await _post(session, proxy.url + CHAT, {**body, "stream": False})
     assert (status, cache, data["usage"]["completion_tokens"]) == (200, "HIT", 150)
+
+
+@linux
+async def test_deltas_are_gathered_while_nobody_streams_them(
+    upstreams: list[Upstream], model_dir: Path, tmp_path: Path
+) -> None:
+    runner = UpstreamRunner(UpstreamOptions(urls=(upstreams[0].url,), model_dir=model_dir,
+                                            model_id=MODEL_ID, digest_memo=tmp_path / "m.json"))
+    await runner.start()
+    loop = asyncio.get_running_loop()
+    try:
+        reads, texts = [], []
+        for live in (False, True):
+            request = parse(_chat(f"Tell me about the owl (live: {live}).", max_tokens=120,
+                                  logit_bias=NO_EOS), "chat", runner.defaults(),
+                            SamplingMode.FORCE_GREEDY).request
+            generation, times = runner.generate(request), []
+            if live:
+                generation.live.start()
+            output = await generation.relay(lambda c, t=times: t.append(loop.time()))
+            assert len(times) == 120
+            reads.append(bursts(times))
+            texts.append(output.text)
+            gone = weakref.ref(generation)
+            await asyncio.sleep(0.01)  # the runner's task ends
+            gc.disable()
+            try:  # a finished reading holds nothing in a cycle: freed without the collector
+                del generation
+                assert gone() is None
+            finally:
+                gc.enable()
+    finally:
+        await runner.aclose()
+    # Gathered: the first delta (it shows the engine), then the rest at the close (120
+    # events are about 40 KB, under the 64 KiB a wake-up gathers). Live: one by one.
+    assert len(reads[0]) <= 3 and len(reads[1]) >= 30, reads
+    assert texts[0] and texts[1]
+
+
+@linux
+async def test_a_streaming_follower_of_a_gathered_miss_gets_the_tokens_live(
+    upstreams: list[Upstream], start_proxy: Callable[..., Awaitable[UpProxy]]
+) -> None:
+    proxy = await start_proxy([upstreams[0].url])
+    body = _chat("Once upon a time, the fox", max_tokens=200, logit_bias=NO_EOS)
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as session:
+        leader = asyncio.create_task(_post(session, proxy.url + CHAT, body))
+        for _ in range(500):  # the leader's fill has started
+            if (await proxy.health(session))["fills_in_progress"]:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.15)  # its first token is in: the kernel holds the next ones
+        arrivals, text = [], ""
+        async with session.post(proxy.url + CHAT, json={**body, "stream": True}) as resp:
+            assert resp.headers["X-Cache"] == "COALESCED"
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    delta = orjson.loads(line[6:])["choices"][0]["delta"].get("content")
+                    if delta:
+                        arrivals.append(loop.time())
+                        text += delta
+        status, cache, data = await leader
+    assert (status, cache, _content(data)) == (200, "MISS", text)
+    # What was published and held at the join in one go, then the rest as it came.
+    sizes = bursts(arrivals)
+    assert sizes[0] >= 5 and len(sizes) >= 10, sizes
+
+
+async def test_only_streaming_readers_make_a_fill_read_live(
+    upstreams: list[Upstream], start_proxy: Callable[..., Awaitable[UpProxy]]
+) -> None:
+    proxy = await start_proxy([upstreams[0].url])
+    runner = proxy.app[PROXY].runner
+    generate, lives = runner.generate, []
+
+    def spy(request: Any) -> Any:  # the real runner; whether each generation is live
+        generation = generate(request)  # by the time the upstream is asked (not known yet)
+        asyncio.get_running_loop().call_soon(lambda: lives.append(generation.live.on))
+        return generation
+
+    runner.generate = spy
+    async with aiohttp.ClientSession() as session:
+        await _post(session, proxy.url + CHAT, _chat("Whole?"))
+        await _stream(session, proxy.url + CHAT, _chat("Streamed?"))
+    assert lives == [False, True]
 
 
 async def test_upstream_errors_map_to_http(

@@ -7,6 +7,7 @@ transports are not asyncio.Transport subclasses).
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 import uvloop
 
 from cacheproxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
+from cacheproxy.runners.base import Live
 from cacheproxy.runners.upstream_stream import Unreachable, stream
 from cacheproxy.runners.upstream_wire import Delta
 from tests.conftest import free_port
@@ -61,12 +63,12 @@ def writes(*parts: bytes, pause: float = 0.0) -> Script:
     return script
 
 
-async def read(url: str, take: Callable[[Delta], bool | None], limit: float = 5.0
-               ) -> list[list[Delta]]:
+async def read(url: str, take: Callable[[Delta], bool | None], limit: float = 5.0,
+               live: Live | None = None) -> list[list[Delta]]:
     """Run a stream to its end; the deferred batches."""
     batches = []
     async for batch in stream(url, "/v1/chat/completions", b'{"x": 1}', limit=limit,
-                              take=take):
+                              take=take, live=live):
         batches.append(batch)
     return batches
 
@@ -164,4 +166,154 @@ def test_refusals_chunked_answers_refused_connections_and_silence(run: Run) -> N
         async with server:
             with pytest.raises(UpstreamTimeout, match="went silent"):
                 await read(url, lambda d: False, limit=0.3)
+    run(main())
+
+
+# Gathering: while nobody reads live, the kernel holds the events (SO_RCVLOWAT, Linux only).
+linux = pytest.mark.skipif(sys.platform != "linux", reason="gathering is Linux-only")
+TOKENS = [event(f"w{i} ") for i in range(20)]
+DONE = b"data: [DONE]\n\n"
+
+
+def paced(*steps: bytes | float) -> Script:
+    """A script that writes each bytes step and sleeps each float step."""
+    async def script(writer: asyncio.StreamWriter) -> None:
+        for step in steps:
+            if isinstance(step, float):
+                await asyncio.sleep(step)
+            else:
+                writer.write(step)
+                await writer.drain()
+    return script
+
+
+def every(pause: float, parts: list[bytes]) -> list[bytes | float]:
+    """Each part, then a pause."""
+    return [step for part in parts for step in (part, pause)]
+
+
+def timed(times: list[float], verdict: Callable[[], bool] = lambda: False
+          ) -> Callable[[Delta], bool]:
+    """A take that notes when each event was taken."""
+    loop = asyncio.get_running_loop()
+    return lambda d: times.append(loop.time()) or verdict()
+
+
+def bursts(times: list[float]) -> list[int]:
+    """How many events each read handed over (taken less than 2 ms apart)."""
+    sizes = [1]
+    for before, now in zip(times, times[1:], strict=False):
+        if now - before < 0.002:
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+    return sizes
+
+
+@linux
+def test_without_a_live_reader_the_events_after_the_first_are_taken_at_the_close(
+        run: Run) -> None:
+    async def main() -> None:
+        script = paced(HEAD, TOKENS[0], 0.1, *every(0.01, TOKENS[1:]), DONE)
+        gathered: list[float] = []
+        url, server = await serve(script)
+        async with server:  # the first shows the engine, the kernel holds the rest
+            assert await read(url, timed(gathered), live=Live()) == []
+        assert bursts(gathered) == [1, 19], gathered
+        one_by_one: list[float] = []
+        url, server = await serve(script)
+        live = Live()
+        live.start()
+        async with server:  # a live reader: each event as it comes
+            assert await read(url, timed(one_by_one), live=live) == []
+        assert len(bursts(one_by_one)) >= 10, one_by_one
+    run(main())
+
+
+@linux
+def test_a_reader_going_live_gets_what_was_held_then_each_event_as_it_comes(run: Run) -> None:
+    async def main() -> None:
+        url, server = await serve(paced(HEAD, TOKENS[0], 0.1, *every(0.03, TOKENS[1:]), DONE))
+        times: list[float] = []
+        live = Live()
+        async with server:
+            asyncio.get_running_loop().call_later(0.3, live.start)  # about 7 written by then
+            assert await read(url, timed(times), live=live) == []
+        sizes = bursts(times)
+        assert sizes[0] == 1 and sizes[1] >= 3 and len(sizes) >= 8, (sizes, times)
+    run(main())
+
+
+@linux
+def test_a_gathering_reader_told_to_stop_going_live_stops_and_hangs_up(run: Run) -> None:
+    # A cancelled generation starts Live (Generation.cancel) so that `take` sees it.
+    async def main() -> None:
+        hung_up = asyncio.Event()
+
+        async def endless(writer: asyncio.StreamWriter) -> None:
+            writer.write(HEAD)
+            try:
+                while True:
+                    writer.write(event("x"))
+                    await writer.drain()
+                    await asyncio.sleep(0.01)
+            except ConnectionError:
+                hung_up.set()
+
+        url, server = await serve(endless)
+        live, stop, times = Live(), asyncio.Event(), []
+        asyncio.get_running_loop().call_later(0.2, lambda: (stop.set(), live.start()))
+        async with server:  # 64 KiB of these take seconds to gather: it goes live at once
+            await asyncio.wait_for(read(url, timed(times, stop.is_set), live=live), 1)
+            await asyncio.wait_for(hung_up.wait(), 1)
+        # The first event, then the first of those held, which saw the stop.
+        assert len(times) == 2 and times[1] - times[0] >= 0.15, times
+    run(main())
+
+
+@linux
+def test_silence_while_gathering_is_told_from_the_bytes_waiting(run: Run) -> None:
+    async def main() -> None:
+        # An event every 0.06 s for 1.2 s, limit 0.4 s: not silent, though unread (its
+        # looks, every 0.1 s, see bytes arriving; a look that saw none would take them).
+        url, server = await serve(paced(HEAD, *every(0.06, TOKENS), DONE))
+        taken: list[float] = []
+        async with server:
+            assert await read(url, timed(taken), limit=0.4, live=Live()) == []
+        assert len(taken) == len(TOKENS) and len(bursts(taken)) <= 3, taken
+        url, server = await serve(paced(HEAD, TOKENS[0], 2.0))
+        async with server:
+            with pytest.raises(UpstreamTimeout, match="went silent"):
+                await read(url, lambda d: False, limit=0.3, live=Live())
+    run(main())
+
+
+@linux
+def test_events_held_by_an_upstream_slow_to_close_are_taken_at_a_look(run: Run) -> None:
+    async def main() -> None:
+        # [DONE], then the connection stays open for 3 s: the held bytes are read anyway.
+        url, server = await serve(paced(HEAD, *every(0.01, TOKENS), DONE, 3.0))
+        taken: list[float] = []
+        loop = asyncio.get_running_loop()
+        async with server:
+            started = loop.time()
+            assert await read(url, timed(taken), limit=0.4, live=Live()) == []
+            assert loop.time() - started < 1.5 and len(taken) == len(TOKENS)
+    run(main())
+
+
+@linux
+def test_an_event_of_another_engine_is_not_gathered(run: Run) -> None:
+    async def main() -> None:
+        # The first event must pass `take` (the expected engine) before anything is held.
+        url, server = await serve(paced(HEAD, 0.05, event("a", fingerprint="new"), 0.3,
+                                        *every(0.01, TOKENS), DONE))
+        loop = asyncio.get_running_loop()
+        async with server:
+            started = loop.time()
+            async for batch in stream(url, "/v1/chat/completions", b"{}", limit=5.0,
+                                      take=lambda d: None if d.fingerprint == "new" else False,
+                                      live=Live()):
+                assert batch[0].text == "a" and loop.time() - started < 0.3
+                break
     run(main())

@@ -71,7 +71,8 @@ class Relay:
     engine version, without installing one); `stall` delays answers, `stall_midway` pauses
     a stream after its first event; `reject` answers with (status, body) instead of
     forwarding. Fakes, each used where a real mlx_lm.server cannot
-    be made to behave that way.
+    be made to behave that way. `relayed` counts the events each stream passed on before
+    it ended or its reader hung up.
     """
 
     target: str
@@ -81,6 +82,7 @@ class Relay:
     stall_midway: float = 0.0
     reject: tuple[int, dict[str, Any]] | None = None
     url: str = ""
+    relayed: list[int] = field(default_factory=list)
 
     @property
     def generations(self) -> list[dict[str, Any]]:
@@ -105,13 +107,18 @@ class Relay:
             response = web.StreamResponse(status=upstream.status, headers={
                 "Content-Type": upstream.headers.get("Content-Type", "application/json")})
             await response.prepare(request)
-            paused = False
-            async for line in upstream.content:
-                await response.write(self._rewritten(line))
-                if self.stall_midway and not paused and line.startswith(b"data: {"):
-                    paused = True
-                    await asyncio.sleep(self.stall_midway)
-            await response.write_eof()
+            paused, events = False, 0
+            try:
+                async for line in upstream.content:
+                    await response.write(self._rewritten(line))
+                    events += line.startswith(b"data: {")
+                    if self.stall_midway and not paused and line.startswith(b"data: {"):
+                        paused = True
+                        await asyncio.sleep(self.stall_midway)
+                await response.write_eof()
+            finally:
+                if upstream.content_type == "text/event-stream":
+                    self.relayed.append(events)
             return response
 
     def _rewritten(self, line: bytes) -> bytes:

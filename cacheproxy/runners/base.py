@@ -13,6 +13,7 @@ from cacheproxy.canonical import CanonicalRequest, RunnerDefaults
 from cacheproxy.codec import Chunk, Output
 from cacheproxy.errors import GenerationFailed, ProxyError
 from cacheproxy.fingerprint import Fingerprint
+from cacheproxy.live import Live
 from cacheproxy.watcher import Snapshot
 
 
@@ -46,6 +47,7 @@ class Generation:
         # The fingerprint digest of the model that actually ran it, when the runner knows.
         self.produced_by: str | None = None
         self._relay: Callable[[Chunk], None] | None = None  # set while relay() runs
+        self.live = Live()  # whether its chunks are awaited as they come
 
     def push(self, event: Event) -> None:
         """Deliver an event from any thread."""
@@ -63,8 +65,10 @@ class Generation:
             self._waiter.set_result(None)
 
     def cancel(self) -> None:
-        """Ask the producer to stop at its next token (or not to start)."""
+        """Ask the producer to stop at its next token (or not to start); one that gathers
+        its output reads live again, to see the next token."""
         self.cancelled = True
+        self.live.start()
 
     async def relay(self, publish: Callable[[Chunk], None]) -> Output:
         """Hand every chunk to `publish` in order, where it arrives rather than through a

@@ -7,7 +7,8 @@ upstream is a lane of one (one generation in flight); a miss goes to the least b
 A fill, in order:
 1. pick the least busy member; wait for its lane
 2. send exactly the canonical request, streamed, every parameter explicit, seeded
-3. relay each delta as a chunk; cut at an OpenAI stop string (then close the stream)
+3. relay each delta as a chunk; cut at an OpenAI stop string (then close the stream);
+   while nobody streams the answer, the kernel gathers the deltas (fewer wake-ups)
 4. a `system_fingerprint` other than the pinned one: re-pin and re-key (so the fill is not
    stored), or exclude the member and retry elsewhere if nothing was relayed yet
 5. a refused connection: mark the member down, retry elsewhere; any other failure fails
@@ -276,8 +277,11 @@ class UpstreamRunner:
                 return None
             return generation.cancelled or reading.take(d)
 
+        # Gathered while nobody streams it, unless a stop string may cut it short: that
+        # must be seen as it comes, to stop the upstream there.
         events = self._live_client().stream(member.url, path(request),
-                                            orjson.dumps(request_body(request)), take)
+                                            orjson.dumps(request_body(request)), take,
+                                            None if request.stop else generation.live)
         try:
             async with aclosing(events):
                 async for batch in events:

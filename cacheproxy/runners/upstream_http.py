@@ -16,6 +16,7 @@ import aiohttp
 import orjson
 
 from cacheproxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
+from cacheproxy.live import Live
 from cacheproxy.runners import upstream_stream
 from cacheproxy.runners.upstream_stream import Unreachable
 from cacheproxy.runners.upstream_wire import Delta, probe_body, rejection
@@ -50,11 +51,13 @@ class UpstreamClient:
         )
         self._timeout = timeout
 
-    def stream(self, url: str, path: str, body: bytes, take: upstream_stream.Take
-               ) -> AsyncGenerator[list[Delta], None]:
-        """A streamed completion: events to `take` as they arrive, the deferred ones yielded
-        (see `upstream_stream`); raises unless the stream ends in [DONE] or `take` stops it."""
-        return upstream_stream.stream(url, path, body, limit=self._timeout, take=take)
+    def stream(self, url: str, path: str, body: bytes, take: upstream_stream.Take,
+               live: Live | None = None) -> AsyncGenerator[list[Delta], None]:
+        """A streamed completion: events to `take` as they arrive, the deferred ones yielded,
+        gathered until `live` starts if given (see `upstream_stream`); raises unless the
+        stream ends in [DONE] or `take` stops it."""
+        return upstream_stream.stream(url, path, body, limit=self._timeout, take=take,
+                                      live=live)
 
     async def complete(self, url: str, path: str, body: bytes) -> dict[str, Any]:
         """A whole (non-streamed) completion."""
