@@ -12,7 +12,9 @@ requests carry the very body the proxy sends upstream (greedy, seed 0, every sam
 parameter explicit); end tokens are suppressed so each generates exactly --max-tokens
 tokens. Whole and streamed answers. It prints a Markdown table (or --json): medians and
 the overhead over direct, as the median of per-turn differences (which cancels drift from
-other load on the machine).
+other load on the machine), and the CPU time the relay and the proxy spent per request
+(from /proc, Linux only): on 2 cores shared with the runner, the proxy's CPU is what slows
+the generation, and it varies far less from run to run than the latency.
 
     python loadtests/bench_upstream.py                    # 60 turns, 32 tokens
     python loadtests/bench_upstream.py --requests 200 --max-tokens 128 --json
@@ -151,15 +153,28 @@ async def timed(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
         return time.perf_counter() - started, resp.headers.get("X-Cache", "")
 
 
-async def measure(urls: dict[str, str], args: argparse.Namespace,
+def cpu_seconds(pid: int) -> float | None:
+    """User and system CPU seconds of a process so far (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(urls: dict[str, str], pids: dict[str, int], args: argparse.Namespace,
                   no_eos: dict[str, float]) -> list[dict[str, Any]]:
-    """Seconds per request of each target, turn by turn, whole then streamed."""
+    """Seconds per request of each target, turn by turn, whole then streamed; and the CPU
+    the relay and the proxy spent per request (they idle between their turns)."""
     rows = []
     connector = aiohttp.TCPConnector(force_close=True)  # mlx_lm.server is HTTP/1.0 anyway
     async with aiohttp.ClientSession(connector=connector) as session:
         for stream in (False, True):
             seconds: dict[str, list[float]] = {name: [] for name in urls}
+            cpu: dict[str, float | None] = {}
             for i in range(-args.warmup, args.requests):
+                if i == 0:
+                    cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
                 for k, (name, url) in enumerate(urls.items()):
                     upstream_body, client_body = bodies(
                         (i * len(urls) + k) * 2 + stream, args.max_tokens, no_eos, stream)
@@ -170,6 +185,10 @@ async def measure(urls: dict[str, str], args: argparse.Namespace,
                     if i >= 0:
                         seconds[name].append(took)
             rows.append(row("stream" if stream else "whole", seconds))
+            for name, pid in pids.items():
+                before, after = cpu.get(name), cpu_seconds(pid)
+                rows[-1][f"{name}_cpu_ms"] = None if before is None or after is None else \
+                    round((after - before) / args.requests * 1000, 2)
     return rows
 
 
@@ -212,7 +231,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                "--model-dir", str(model), "--model-id", "bench", "--store", "memory://",
                "--port", str(ports["proxy"]), "--no-watch", "--log-level", "warning",
                "--digest-memo", str(Path(tmp) / "memo.json")])
-        return asyncio.run(measure(urls, args, no_eos))
+        pids = {"relay": children[1].pid, "proxy": children[2].pid}
+        return asyncio.run(measure(urls, pids, args, no_eos))
 
 
 def main() -> None:
@@ -232,13 +252,15 @@ def main() -> None:
         return
     print(f"{args.requests} sequential requests per target and mode, "
           f"{args.max_tokens} tokens each; overhead = median of per-turn differences\n")
-    print("| mode | direct ms | bare relay ms | relay overhead | cacheproxy MISS ms | "
-          "cacheproxy overhead |")
-    print("|---|---|---|---|---|---|")
+    print("| mode | direct ms | bare relay ms | relay overhead | relay CPU ms | "
+          "cacheproxy MISS ms | cacheproxy overhead | cacheproxy CPU ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['direct_ms']} | {r['relay_ms']} | "
-              f"{r['relay_overhead_pct']} % ({r['relay_overhead_ms']} ms) | {r['proxy_ms']} | "
-              f"{r['proxy_overhead_pct']} % ({r['proxy_overhead_ms']} ms) |")
+              f"{r['relay_overhead_pct']} % ({r['relay_overhead_ms']} ms) | "
+              f"{r['relay_cpu_ms'] if r['relay_cpu_ms'] is not None else '-'} | "
+              f"{r['proxy_ms']} | {r['proxy_overhead_pct']} % ({r['proxy_overhead_ms']} ms) | "
+              f"{r['proxy_cpu_ms'] if r['proxy_cpu_ms'] is not None else '-'} |")
 
 
 if __name__ == "__main__":
