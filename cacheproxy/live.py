@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 
 class Live:
-    """Off until a reader takes the chunks as they come; then on for good."""
+    """Off until a reader takes the chunks as they come (or a cancel needs the next token
+    seen); then on for good."""
 
     __slots__ = ("on", "_calls")
 

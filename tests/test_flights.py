@@ -10,7 +10,8 @@ import pytest
 from cacheproxy.codec import Chunk, Output
 from cacheproxy.errors import GenerationTimeout
 from cacheproxy.flights import Flight
-from cacheproxy.runners.base import Failed, Finished, Generation, Live
+from cacheproxy.live import Live
+from cacheproxy.runners.base import Failed, Finished, Generation
 
 CHUNKS = tuple(Chunk(text=f"w{i} ", tokens=(i,)) for i in range(20))
 OUTPUT = Output(chunks=CHUNKS, finish_reason="length", prompt_tokens=3, completion_tokens=20)

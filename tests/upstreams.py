@@ -69,10 +69,10 @@ class Relay:
 
     `fingerprint` rewrites the system_fingerprint of every answer (an upstream of another
     engine version, without installing one); `stall` delays answers, `stall_midway` pauses
-    a stream after its first event; `reject` answers with (status, body) instead of
-    forwarding. Fakes, each used where a real mlx_lm.server cannot
-    be made to behave that way. `relayed` counts the events each stream passed on before
-    it ended or its reader hung up.
+    a stream after its first event (and sets `midway`); `reject` answers with (status,
+    body) instead of forwarding. Fakes, each used where a real mlx_lm.server cannot be made
+    to behave that way. `relayed` counts the events each stream passed on before it ended
+    or its reader hung up.
     """
 
     target: str
@@ -83,6 +83,7 @@ class Relay:
     reject: tuple[int, dict[str, Any]] | None = None
     url: str = ""
     relayed: list[int] = field(default_factory=list)
+    midway: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def generations(self) -> list[dict[str, Any]]:
@@ -114,6 +115,7 @@ class Relay:
                     events += line.startswith(b"data: {")
                     if self.stall_midway and not paused and line.startswith(b"data: {"):
                         paused = True
+                        self.midway.set()
                         await asyncio.sleep(self.stall_midway)
                 await response.write_eof()
             finally:

@@ -14,7 +14,9 @@ While nobody reads a generation live (whole answers only), the reader gathers: o
 first event has shown the expected engine, it lets the kernel hold the rest (`gathering`),
 so the proxy wakes once per 64 KiB or at the upstream's close instead of once per token
 (about half the proxy's CPU on a whole miss). A streaming reader that joins ends it, and
-gets what the kernel held at once. Silence is then told from the bytes waiting in the socket.
+gets what the kernel held at once; so does a cancel. While gathering, silence is told from
+the bytes waiting in the socket, and bytes held with none arriving between two looks for
+silence are read at once (an upstream slow to close after [DONE], say).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from cacheproxy.live import Live
 from cacheproxy.runners import gathering
 from cacheproxy.runners.http10 import MAX_HEAD, parse_head, request_head, target, tls
 from cacheproxy.runners.upstream_wire import DONE, Delta, delta, parse_line, rejection
+
+LOOK_EVERY = 0.5  # seconds between looks for silence (and for bytes held while gathering)
 
 Take = Callable[[Delta], "bool | None"]
 """Relay one event where it arrives: True to stop reading (the answer is complete), False to
@@ -199,21 +203,21 @@ class _Reader(asyncio.Protocol):
 
 
 class _Silence:
-    """Fails a reading silent for `limit` seconds (detected within 1.25 x; 1.5 x while
-    gathering, where arrivals are seen at the looks).
-
-    It looks four times per limit instead of re-arming a timer per event.
+    """Fails a reading silent for `limit` seconds, detected at its looks: every quarter of
+    the limit, at most LOOK_EVERY s apart, instead of a timer re-armed per event. A look
+    also lets a gathering reader see bytes arriving, or take those held (`_Reader.look`).
     """
 
     def __init__(self, reader: _Reader, url: str, limit: float) -> None:
         self._loop = asyncio.get_running_loop()
         self._reader, self._url, self._limit = reader, url, limit
-        self._handle = self._loop.call_later(limit / 4, self._check)
+        self._every = min(limit / 4, LOOK_EVERY)
+        self._handle = self._loop.call_later(self._every, self._check)
 
     def _check(self) -> None:
         self._reader.look()
         if self._loop.time() - self._reader.heard < self._limit:
-            self._handle = self._loop.call_later(self._limit / 4, self._check)
+            self._handle = self._loop.call_later(self._every, self._check)
             return
         self._reader.fail(UpstreamTimeout(
             f"the upstream {self._url} went silent for {self._limit:g} s"))
