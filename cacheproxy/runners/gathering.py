@@ -11,10 +11,12 @@ the next arrival, a token late).
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import socket
 import sys
-import termios
+
+if sys.platform == "linux":  # fcntl and termios do not exist everywhere (Windows)
+    import fcntl
+    import termios
 
 GATHER = 64 * 1024  # bytes per wake-up: about 190 events of mlx_lm.server
 SUPPORTED = sys.platform == "linux"
@@ -38,10 +40,10 @@ class LowWater:
 
     def waiting(self) -> int | None:
         """Bytes received and not read yet; None if the socket cannot tell (closed, say)."""
-        if self._sock is None:
-            return None
-        try:
-            raw = fcntl.ioctl(self._sock.fileno(), termios.FIONREAD, bytes(4))
-        except (OSError, ValueError):
-            return None
-        return int.from_bytes(raw, sys.byteorder)
+        if sys.platform == "linux" and self._sock is not None:
+            try:
+                raw = fcntl.ioctl(self._sock.fileno(), termios.FIONREAD, bytes(4))
+            except (OSError, ValueError):
+                return None
+            return int.from_bytes(raw, sys.byteorder)
+        return None
