@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from bench_hit import cpu_seconds
 
 HOST = "127.0.0.1"
 CHAT = "/v1/chat/completions"
@@ -151,15 +152,6 @@ async def timed(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
         if resp.status != 200:
             raise RuntimeError(f"{url}: {resp.status}")
         return time.perf_counter() - started, resp.headers.get("X-Cache", "")
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User and system CPU seconds of a process so far (Linux /proc; None elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def measure(urls: dict[str, str], pids: dict[str, int], args: argparse.Namespace,

@@ -63,6 +63,21 @@ def writes(*parts: bytes, pause: float = 0.0) -> Script:
     return script
 
 
+def endless(hung_up: asyncio.Event) -> Script:
+    """A script that writes an event every 10 ms until the reader hangs up (then sets
+    `hung_up`)."""
+    async def script(writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD)
+        try:
+            while True:
+                writer.write(event("x"))
+                await writer.drain()
+                await asyncio.sleep(0.01)
+        except ConnectionError:
+            hung_up.set()
+    return script
+
+
 async def read(url: str, take: Callable[[Delta], bool | None], limit: float = 5.0,
                live: Live | None = None) -> list[list[Delta]]:
     """Run a stream to its end; the deferred batches."""
@@ -116,18 +131,7 @@ def test_a_deferred_event_and_all_later_ones_go_to_the_task_in_order(run: Run) -
 def test_take_stops_the_reading_and_hangs_up(run: Run) -> None:
     async def main() -> None:
         hung_up = asyncio.Event()
-
-        async def endless(writer: asyncio.StreamWriter) -> None:
-            writer.write(HEAD)
-            try:
-                while True:
-                    writer.write(event("x"))
-                    await writer.drain()
-                    await asyncio.sleep(0.01)
-            except ConnectionError:
-                hung_up.set()
-
-        url, server = await serve(endless)
+        url, server = await serve(endless(hung_up))
         taken: list[str] = []
         async with server:
             assert await read(url, lambda d: taken.append(d.text) or len(taken) == 3) == []
@@ -250,18 +254,7 @@ def test_a_gathering_reader_told_to_stop_going_live_stops_and_hangs_up(run: Run)
     # A cancelled generation starts Live (Generation.cancel) so that `take` sees it.
     async def main() -> None:
         hung_up = asyncio.Event()
-
-        async def endless(writer: asyncio.StreamWriter) -> None:
-            writer.write(HEAD)
-            try:
-                while True:
-                    writer.write(event("x"))
-                    await writer.drain()
-                    await asyncio.sleep(0.01)
-            except ConnectionError:
-                hung_up.set()
-
-        url, server = await serve(endless)
+        url, server = await serve(endless(hung_up))
         live, stop, times = Live(), asyncio.Event(), []
         asyncio.get_running_loop().call_later(0.2, lambda: (stop.set(), live.start()))
         async with server:  # 64 KiB of these take seconds to gather: it goes live at once
