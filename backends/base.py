@@ -68,6 +68,22 @@ class Peek(Protocol):
 
 
 @runtime_checkable
+class Invalidations(Protocol):
+    """Optional capability: the store tells this process when values it read may change."""
+
+    def track(self, changed: Callable[[str | None], None], restarted: Callable[[], None]) -> bool:
+        """From now on, call changed(key) when a value get() returned for key may have
+        changed in the store (written, deleted, expired or evicted, by any client), and
+        changed(None) when any may have (a flush). Call restarted() when tracking starts
+        anew (a new connection): what was read before is tracked no more, and changes made
+        while it was down went unheard. False when this store cannot track at all."""
+
+    @property
+    def tracking_refused(self) -> str | None:
+        """Why the server declined to track, when it did (tracking then never starts)."""
+
+
+@runtime_checkable
 class NamespaceStats(Protocol):
     """Optional capability: size of one namespace."""
 

@@ -85,6 +85,15 @@ class MemoryBackend:
         entry = self._remove(key)
         return entry is not None and not is_expired(entry.expires_at, self._clock())
 
+    def discard(self, key: str) -> None:
+        """Drop key if held, without a coroutine (for callbacks); a closed store holds none."""
+        self._remove(key)
+
+    def clear(self) -> None:
+        """Drop every entry, without a coroutine."""
+        self._entries.clear()
+        self._bytes = 0
+
     async def purge_namespace(self, namespace: str) -> int:
         """Delete every key starting with namespace + "/", in batches; return the count."""
         self._check_open()

@@ -11,7 +11,9 @@ max_connections (default 64): at most that many commands are in flight per backe
 cluster node); more wait for a free slot up to the sum of both timeouts, then fail.
 
 GETs of a single server (redis://, unix://) are pipelined on one connection of their own
-(backends/resp.py): the hit path's only call, at a fifth of redis-py's CPU per GET.
+(backends/resp.py): the hit path's only call, at a fifth of redis-py's CPU per GET. On that
+connection the server can also track the keys read and report their changes (`track`,
+Redis 6+ client-side caching), which keeps the tiered store's L1 coherent across replicas.
 
 Expiry is the server's own (SET ... PX), evictions are the server's maxmemory policy, so
 max_bytes here is whatever maxmemory says. Every key is a single-key command, so keys need
@@ -23,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from types import TracebackType
 from typing import Any
 from urllib.parse import SplitResult, parse_qsl, urlencode, urlsplit, urlunsplit
@@ -96,6 +98,24 @@ class RedisBackend:
         async with self._guard:
             value = await self._client.get(key)
         return _as_bytes(value)
+
+    def track(self, changed: Callable[[str | None], None], restarted: Callable[[], None]) -> bool:
+        """Invalidations for the keys get() reads (RESP3 CLIENT TRACKING on the GET lane);
+        False over a cluster or TLS, which have no lane. `tracking_refused` says why a
+        server declined."""
+        if self._lane is None:
+            return False
+
+        def heard(key: bytes | None) -> None:
+            changed(None if key is None else key.decode("utf-8", "surrogateescape"))
+
+        self._lane.track(heard, restarted)
+        return True
+
+    @property
+    def tracking_refused(self) -> str | None:
+        """The server's answer when it refused to track keys (Redis < 6, or an ACL)."""
+        return None if self._lane is None else self._lane.refused
 
     async def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
         """SET with PX milliseconds (rounded up) when ttl is given."""

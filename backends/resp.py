@@ -6,6 +6,16 @@ replies parsed by hiredis and matched in order, cost ~20-30 µs. The GETs of one
 the event loop go out in one write. Only GET goes this way,
 on single servers over TCP or a Unix socket; everything else (writes, leases, pub/sub,
 scans, clusters, TLS) stays on redis-py.
+
+A lane given a listener (`GetLane.track`) speaks RESP3 with `CLIENT TRACKING ON`: the
+server remembers the keys this connection read and pushes an invalidation on the same
+connection when one changes (written, deleted, expired or evicted, by any client), so a
+push is always read after the replies to the GETs sent before the change. The listener
+hears each such key, and None ("anything may have changed") on a server flush; `restarted`
+is called each time tracking starts on a new connection (what an earlier one read is
+tracked no more). When a tracked connection is lost the lane reconnects in the background
+(backoff up to MAX_RECONNECT_DELAY), without waiting for the next GET; until then,
+invalidations go unheard.
 """
 
 from __future__ import annotations
@@ -20,6 +30,9 @@ from typing import cast
 import hiredis
 
 Waiter = tuple["asyncio.Future[object]", float]
+Listener = Callable[[bytes | None], None]
+FIRST_RECONNECT_DELAY = 0.05
+MAX_RECONNECT_DELAY = 2.0
 
 
 class LaneError(Exception):
@@ -55,6 +68,8 @@ class _Replies(asyncio.Protocol):
 
     def __init__(self) -> None:
         self._reader = hiredis.Reader()
+        self.listener: Listener | None = None  # set once the server tracks this connection
+        self.on_lost: Callable[[], None] | None = None  # called when a tracked one breaks
         self.waiting: deque[Waiter] = deque()
         self.transport: asyncio.Transport | None = None
         self.outbox: list[bytes] = []  # commands of this turn of the event loop, sent together
@@ -76,11 +91,25 @@ class _Replies(asyncio.Protocol):
         self._reader.feed(data)
         try:
             while (reply := self._reader.gets()) is not False:
+                if isinstance(reply, hiredis.PushNotification):
+                    self._pushed(reply)
+                    continue
                 waiter = self.waiting.popleft()[0]
                 if not waiter.done():  # a cancelled caller's reply is dropped in its turn
                     waiter.set_result(reply)
         except (hiredis.ProtocolError, IndexError) as exc:  # garbage, or a reply nobody asked
             self.fail(LaneError(f"protocol error: {exc!r}"))
+
+    def _pushed(self, push: list[object]) -> None:
+        """An invalidation: ["invalidate", [key, ...]], or ["invalidate", nil] on a flush."""
+        if self.listener is None or not push or push[0] != b"invalidate":
+            return
+        keys = push[1] if len(push) > 1 else None
+        if not isinstance(keys, list):
+            self.listener(None)
+            return
+        for key in keys:
+            self.listener(key if isinstance(key, bytes) else None)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.fail(LaneError(f"connection lost: {exc!r}" if exc else "connection closed"))
@@ -91,6 +120,9 @@ class _Replies(asyncio.Protocol):
         self.outbox.clear()
         if transport is not None:
             transport.close()
+        tracked, self.listener = self.listener is not None, None
+        if tracked and self.on_lost is not None:
+            self.on_lost()
         while self.waiting:
             waiter = self.waiting.popleft()[0]
             if not waiter.done():
@@ -107,6 +139,20 @@ class GetLane:
         self._replies: _Replies | None = None
         self._connecting = asyncio.Lock()
         self._watchdog: asyncio.TimerHandle | None = None
+        self._listener: Listener | None = None
+        self._restarted: Callable[[], None] = _nothing
+        self.refused: str | None = None  # why the server would not track, if it would not
+        self._closed = False
+        self._reconnect: asyncio.TimerHandle | None = None
+        self._reconnecting: asyncio.Task[None] | None = None
+
+    def track(self, listener: Listener, restarted: Callable[[], None]) -> None:
+        """From the next connection on, ask the server to track the keys read (see the
+        module docstring); a connection open now is closed so that the next GET opens one."""
+        self._listener = listener
+        self._restarted = restarted
+        if self._replies is not None:
+            self._replies.fail(LaneError("reconnecting to track keys"))
 
     async def get(self, key: str) -> bytes | None:
         """The value under key or None; LaneError on any failure (GET is retried once on a
@@ -132,7 +178,12 @@ class GetLane:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def close(self) -> None:
-        """Drop the connection (waiting callers get LaneError)."""
+        """Drop the connection (waiting callers get LaneError) and stop reconnecting."""
+        self._closed = True
+        if self._reconnect is not None:
+            self._reconnect.cancel()
+        if self._reconnecting is not None:
+            self._reconnecting.cancel()
         if self._replies is not None:
             self._replies.fail(LaneError("closed"))
         if self._watchdog is not None:
@@ -199,7 +250,47 @@ class GetLane:
                 reply = await self._send(replies, request)
                 if isinstance(reply, hiredis.ReplyError):
                     raise LaneError(f"the server refused the connection set-up: {reply}")
+            if self._listener is not None:
+                await self._start_tracking(replies, self._listener)
         except BaseException as exc:  # refused, timed out or cancelled: close what we opened
             replies.fail(exc if isinstance(exc, LaneError) else LaneError("set-up abandoned"))
             raise
         return replies
+
+    async def _start_tracking(self, replies: _Replies, listener: Listener) -> None:
+        """RESP3 and CLIENT TRACKING ON; a server that refuses either (older than 6, or an
+        ACL without CLIENT) leaves the lane untracked, its reason in `refused`."""
+        for request in (command(b"HELLO", b"3"), command(b"CLIENT", b"TRACKING", b"ON")):
+            reply = await self._send(replies, request)
+            if isinstance(reply, hiredis.ReplyError):
+                self.refused = str(reply)
+                return
+        self.refused = None
+        replies.listener = listener
+        replies.on_lost = self._tracking_lost
+        self._restarted()  # before any GET of this connection is sent
+
+    def _tracking_lost(self, delay: float = FIRST_RECONNECT_DELAY) -> None:
+        """Reconnect soon, so that tracking resumes even if no GET comes."""
+        if self._closed or self._reconnect is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._reconnect = loop.call_later(delay, self._start_reconnect, delay)
+
+    def _start_reconnect(self, delay: float) -> None:
+        self._reconnect = None
+        if self._closed or (self._replies is not None and self._replies.transport is not None):
+            return  # a GET reconnected meanwhile
+        self._reconnecting = asyncio.ensure_future(self._reconnect_once(delay))
+
+    async def _reconnect_once(self, delay: float) -> None:
+        try:
+            await self._connect()
+        except LaneError:
+            self._tracking_lost(min(2 * delay, MAX_RECONNECT_DELAY))
+        finally:
+            self._reconnecting = None
+
+
+def _nothing() -> None:
+    pass

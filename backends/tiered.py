@@ -11,11 +11,23 @@ l1_max_bytes bounds L1 (default 64 MiB); l1_ttl (seconds, default 60) bounds how
 keeps any entry. Reads go L1, then L2 (filling L1); writes and deletes go to both; purge
 purges both; scan and the stats are L2's.
 
-Staleness: one replica's L1 is not told about another replica's delete or overwrite, nor
-about L2 expiring or evicting an entry it copied, so it may serve that value for at most
-l1_ttl longer (and only while L1's LRU keeps it). For the proxy this is harmless: a new
-producer means a new fingerprint namespace, which makes the old entries unreachable in
-every L1 at once. An L1 hit never touches L2, so a failing L2 costs only misses.
+Coherence: over a single Redis server (tiered+redis://, tiered+unix://) L1 holds only
+values read from L2 on a connection the server tracks (RESP3 CLIENT TRACKING, Redis 6+):
+when any client changes one of those keys (writes, deletes, purges; or the server expires
+or evicts it) the server pushes an invalidation and L1 drops the key, a round trip after
+the change, in every replica. A replica's own writes are not copied into L1 (its next read
+is, tracked). If the tracking connection breaks, L1 goes on serving what it holds for at
+most l1_ttl (so hot keys survive a Redis outage) while it reconnects in the background,
+and is emptied when tracking resumes.
+
+Over an L2 that cannot track (disk, a cluster, TLS) writes are copied into L1 too, and one
+replica's L1 is not told about another replica's delete or overwrite, nor about L2 expiring
+or evicting an entry it copied: it may serve that value for at most l1_ttl longer (and only
+while L1's LRU keeps it). So may a Redis server that refuses to track (older than 6, or an
+ACL without CLIENT: RedisBackend.tracking_refused says). For the proxy this is mostly
+harmless: a new producer means a new fingerprint namespace, which makes the old entries
+unreachable in every L1 at once; but a purge by hand reaches the other replicas' L1s only
+after l1_ttl. An L1 hit never touches L2, so a failing L2 costs only misses.
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ from backends.base import (
     BackendError,
     Clock,
     DistributedLock,
+    Invalidations,
     NamespacePurge,
     NamespaceStats,
     Scan,
@@ -54,12 +67,31 @@ class TieredBackend:
         self._l1 = l1
         self._l2 = l2
         self._l1_ttl = l1_ttl
-        # Moves at the start and the end of every write: a fill whose L2 read overlapped
-        # a write may carry the older value, so it is dropped instead of cached.
+        # Moves at the start and the end of every write and on every invalidation: a fill
+        # whose L2 read overlapped one may carry the older value, so it is dropped instead.
         self._epoch = 0
+        # A restart of tracking empties L1 but leaves the epoch: the reads then in flight go
+        # out on the new, tracked connection (one answered on the old connection filled L1
+        # in the loop step of its reply, before the new connection's set-up round trips).
+        self._coherent = isinstance(l2, Invalidations) and l2.track(self._changed, l1.clear)
 
     def __repr__(self) -> str:
         return f"TieredBackend({self._l1!r}, {self._l2!r}, l1_ttl={self._l1_ttl})"
+
+    @property
+    def coherent(self) -> bool:
+        """Whether L2 reports changes to what L1 holds (see the module docstring)."""
+        return self._coherent
+
+    @property
+    def coherence(self) -> str:
+        """For operators: "tracked", or why L1 may lag other replicas by up to l1_ttl."""
+        if not self._coherent:
+            return f"bounded by l1_ttl ({self._l2!r} cannot track keys)"
+        refused = cast(Invalidations, self._l2).tracking_refused
+        if refused is not None:
+            return f"bounded by l1_ttl (the server refused to track keys: {refused})"
+        return "tracked"
 
     @property
     def l1(self) -> MemoryBackend:
@@ -87,9 +119,11 @@ class TieredBackend:
         return self._l1.peek(key)
 
     async def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
-        """Store in L2, then in L1 for at most l1_ttl."""
+        """Store in L2, then (unless L2 tracks reads) in L1 for at most l1_ttl."""
         expiry(0.0, ttl)  # a bad ttl changes nothing in either tier
         self._epoch += 1
+        if self._coherent:
+            self._l1.discard(key)  # the next read copies the new value, tracked
         try:
             await self._l2.set(key, value, ttl)
         except BaseException:
@@ -97,7 +131,17 @@ class TieredBackend:
             raise
         finally:
             self._epoch += 1
-        await self._l1.set(key, value, self._l1_ttl if ttl is None else min(ttl, self._l1_ttl))
+        if not self._coherent:
+            await self._l1.set(key, value,
+                               self._l1_ttl if ttl is None else min(ttl, self._l1_ttl))
+
+    def _changed(self, key: str | None) -> None:
+        """L2 says key (None: any key) may have changed: L1 forgets it, fills in flight drop."""
+        self._epoch += 1
+        if key is None:
+            self._l1.clear()
+        else:
+            self._l1.discard(key)
 
     async def delete(self, key: str) -> bool:
         """Remove from both tiers; True when either held a live entry."""

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from backends import redact_url
 from backends.base import BackendError, StoreStats
+from backends.tiered import TieredBackend
 from cacheproxy.metrics import Metrics
 from cacheproxy.state import INVALIDATOR, PROXY, SETTINGS, STARTED
 
@@ -23,6 +24,8 @@ async def snapshot(app: web.Application) -> dict[str, Any]:
             store.update(entries=s.entries, bytes=s.bytes, max_bytes=s.max_bytes)
         except BackendError as exc:
             store["error"] = str(exc)
+    if isinstance(proxy.store, TieredBackend):
+        store["l1"] = proxy.store.coherence
     figures = tally.totals()
     totals = figures.by_cache
     served = sum(totals.get(status, 0) for status in ("HIT", "MISS", "COALESCED"))

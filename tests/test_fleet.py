@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import aiohttp
+import pytest
 
 from tests.conftest import free_port
 from tests.conftest_redis import StartServer
@@ -141,3 +142,43 @@ async def test_redis_stopped_and_restarted_under_requests(start_redis: StartServ
                 await ask(body)
     assert failed == 0
     assert statuses[-3:] == ["HIT"] * 3
+
+
+async def test_a_purge_on_one_replica_reaches_the_others_l1(
+    start_redis: StartServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    redis = start_redis()
+    monkeypatch.setenv("CACHEPROXY_ADMIN_TOKEN", "s3cret")
+    admin = {"Authorization": "Bearer s3cret"}
+    body = {"prompt": "The heron", "max_tokens": 8}
+    # l1_ttl of an hour: only the server's invalidations can make the other L1 let go.
+    with replicas(f"tiered+{redis.url}/0?l1_ttl=3600", 2) as procs:
+        (_, one), (_, other) = procs
+        async with aiohttp.ClientSession() as session:
+            async def ask(url: str) -> tuple[str, str]:
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    return resp.headers["X-Cache"], resp.headers["X-Cache-Key"]
+
+            assert (await ask(one))[0] == "MISS"
+            assert [(await ask(other))[0] for _ in range(3)] == ["HIT"] * 3  # L2, then L1
+            async with session.get(f"{other}/admin/stats", headers=admin) as resp:
+                assert (await resp.json())["store"]["l1"] == "tracked"
+            key = (await ask(other))[1]
+            async with session.delete(f"{one}/admin/entries/{key}", headers=admin) as resp:
+                assert resp.status == 200
+            deadline = time.monotonic() + 2
+            while (status := (await ask(other))[0]) == "HIT":
+                assert time.monotonic() < deadline, "the other replica kept serving it"
+                await asyncio.sleep(0.01)
+            assert status == "MISS"  # generated anew, as the purge asked
+            assert (await ask(one))[0] == "HIT"  # and stored for the whole fleet again
+            namespace = key.partition("/")[0]
+            async with session.post(f"{other}/admin/purge", json={"namespace": namespace},
+                                    headers=admin) as resp:
+                assert (await resp.json())["removed"] == 1
+            deadline = time.monotonic() + 2
+            while (status := (await ask(one))[0]) == "HIT":
+                assert time.monotonic() < deadline, "the first replica kept serving it"
+                await asyncio.sleep(0.01)
+            assert status == "MISS"

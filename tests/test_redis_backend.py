@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 
 import pytest
@@ -376,5 +377,58 @@ class TestGetLane:
                 await store.get("list")
             await store.set("k", b"v")
             assert await store.get("k") == b"v"  # the connection is still good
+        finally:
+            await store.aclose()
+
+    async def test_tracked_replies_stay_in_order_among_invalidations(
+        self, redis_url: str
+    ) -> None:
+        store = open_redis(redis_url)
+        heard: list[str | None] = []
+        assert store.track(heard.append, lambda: None)
+        keys = [f"k{i}" for i in range(50)]
+        try:
+            for key in keys:
+                await store.set(key, f"{key}=0".encode())
+            stop = threading.Event()
+
+            def overwrite() -> None:  # another client, changing what the lane reads
+                with redis.Redis.from_url(redis_url) as client:
+                    n = 0
+                    while not stop.is_set():
+                        n += 1
+                        client.mset({key: f"{key}={n}" for key in keys})
+
+            writer = threading.Thread(target=overwrite)
+            writer.start()
+            try:
+                for _ in range(40):
+                    got = await asyncio.gather(*(store.get(key) for key in keys))
+                    assert [v.split(b"=")[0].decode() for v in got if v] == keys
+            finally:
+                stop.set()
+                writer.join()
+            assert set(heard) <= {*keys, None} and len(set(heard) - {None}) > 25
+        finally:
+            await store.aclose()
+
+    async def test_tracking_after_password_and_database(self, start_redis: StartServer) -> None:
+        server = start_redis()
+        with server.client() as client:
+            client.config_set("requirepass", "s3cret")
+        store = open_redis(f"redis://:s3cret@127.0.0.1:{server.port}/3")
+        heard: list[str | None] = []
+        restarts: list[int] = []
+        assert store.track(heard.append, lambda: restarts.append(1))
+        try:
+            assert await store.get("k") is None
+            assert restarts == [1] and store.tracking_refused is None
+            with redis.Redis(port=server.port, password="s3cret", db=3) as client:
+                client.set("k", b"v")
+            deadline = time.monotonic() + 2
+            while "k" not in heard:
+                assert time.monotonic() < deadline, heard
+                await asyncio.sleep(0.01)
+            assert await store.get("k") == b"v"
         finally:
             await store.aclose()

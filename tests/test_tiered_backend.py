@@ -6,11 +6,16 @@ The byte-level contract itself runs in tests/test_backends.py (tiered over disk 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Awaitable, Callable
 
 import pytest
+import redis
 
 from backends import BackendError, MemoryBackend, TieredBackend, open_backend
+from backends.redis import RedisBackend
 from tests.conftest_redis import StartServer
+from tests.redis_servers import RedisServer
 from tests.test_backends import FakeClock
 
 
@@ -145,9 +150,239 @@ async def test_l1_hit_survives_a_stopped_redis(start_redis: StartServer) -> None
     store = open_backend(f"tiered+{server.url}/0?socket_timeout=0.3&l1_max_bytes=100000")
     try:
         await store.set("hot", b"v")
+        assert await store.get("hot") == b"v"  # copied into L1 by a (tracked) read
         server.stop()
         assert await store.get("hot") == b"v"
         with pytest.raises(BackendError):
             await store.get("cold")
     finally:
         await store.aclose()
+
+
+# --- Coherence: over one Redis server, every change reaches every replica's L1 ------------
+
+
+class TrackingStore(ProbedStore):
+    """A ProbedStore that can tell its reader about changes, by hand: the real server cannot
+    be made to push an invalidation at a chosen moment of a read in flight."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self.changed: Callable[[str | None], None] = lambda key: None
+        self.restarted: Callable[[], None] = lambda: None
+        self.tracking_refused: str | None = None
+
+    def track(self, changed: Callable[[str | None], None], restarted: Callable[[], None]) -> bool:
+        self.changed, self.restarted = changed, restarted
+        return True
+
+
+async def eventually(check: Callable[[], bool], within: float = 2.0) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, f"not within {within}s"
+        await asyncio.sleep(0.005)
+
+
+def tracking_clients(server: RedisServer) -> list[int]:
+    """The ids of the server's connections with CLIENT TRACKING on."""
+    with server.client() as client:
+        return [c["id"] for c in client.client_list() if "t" in c["flags"]]
+
+
+async def test_a_fill_racing_an_invalidation_is_dropped(clock: FakeClock) -> None:
+    l2 = TrackingStore(clock)
+    store = tiered(l2, clock)
+    assert store.coherent
+    await l2.set("k", b"old")
+    l2.hold = asyncio.Event()
+    reader = asyncio.create_task(store.get("k"))
+    await asyncio.sleep(0)  # the read of "old" is in flight
+    l2.changed("k")  # another replica wrote "k": its invalidation overtakes our read
+    l2.hold.set()
+    assert await reader == b"old"
+    assert store.peek("k") is None
+    l2.hold = None
+    assert await store.get("k") == b"old" and store.peek("k") == b"old"
+    l2.changed("other")
+    assert store.peek("k") == b"old"  # only what changed is dropped...
+    l2.changed(None)
+    assert store.peek("k") is None  # ...or everything, on a flush
+
+
+async def test_a_restart_empties_l1_but_lets_reads_in_flight_fill(clock: FakeClock) -> None:
+    l2 = TrackingStore(clock)
+    store = tiered(l2, clock)
+    await l2.set("a", b"1")
+    await l2.set("b", b"2")
+    assert await store.get("a") == b"1"
+    l2.hold = asyncio.Event()
+    reader = asyncio.create_task(store.get("b"))
+    await asyncio.sleep(0)
+    l2.restarted()  # a new tracked connection: what L1 held is tracked no more...
+    assert store.peek("a") is None
+    l2.hold.set()
+    assert await reader == b"2"
+    assert store.peek("b") == b"2"  # ...but a read on the new connection is
+
+
+async def test_own_writes_are_not_copied_into_l1_when_coherent(clock: FakeClock) -> None:
+    l2 = TrackingStore(clock)
+    store = tiered(l2, clock)
+    await store.set("k", b"v")
+    assert store.peek("k") is None and l2.reads == 0  # not tracked until read
+    assert await store.get("k") == b"v" and store.peek("k") == b"v" and l2.reads == 1
+    await store.set("k", b"w")
+    assert store.peek("k") is None  # the old copy goes at once, before the write is done
+    assert await store.get("k") == b"w"
+
+
+Change = Callable[[TieredBackend, redis.Redis], Awaitable[None]]
+
+
+async def _overwrite(other: TieredBackend, raw: redis.Redis) -> None:
+    await other.set("ns/k", b"new")
+
+
+async def _delete(other: TieredBackend, raw: redis.Redis) -> None:
+    assert await other.delete("ns/k")
+
+
+async def _purge(other: TieredBackend, raw: redis.Redis) -> None:
+    assert await other.purge_namespace("ns") == 1
+
+
+async def _another_client(other: TieredBackend, raw: redis.Redis) -> None:
+    raw.set("ns/k", b"new")
+
+
+async def _expiry(other: TieredBackend, raw: redis.Redis) -> None:
+    raw.pexpire("ns/k", 50)
+
+
+async def _flush(other: TieredBackend, raw: redis.Redis) -> None:
+    raw.flushall()
+
+
+@pytest.mark.parametrize("change", [_overwrite, _delete, _purge, _another_client, _expiry,
+                                    _flush], ids=lambda f: f.__name__.strip("_"))
+async def test_a_change_anywhere_reaches_every_replicas_l1(
+    start_redis: StartServer, change: Change
+) -> None:
+    server = start_redis()
+    ours = open_backend(f"tiered+{server.url}/0?l1_ttl=3600")
+    theirs = open_backend(f"tiered+{server.url}/0?l1_ttl=3600")
+    assert isinstance(ours, TieredBackend) and isinstance(theirs, TieredBackend)
+    try:
+        assert ours.coherent and theirs.coherent
+        assert await ours.get("absent") is None and ours.coherence == "tracked"
+        await theirs.set("ns/k", b"old")
+        assert await ours.get("ns/k") == b"old" and ours.peek("ns/k") == b"old"
+        with server.client() as raw:
+            await change(theirs, raw)
+            await eventually(lambda: ours.peek("ns/k") is None)
+            assert await ours.get("ns/k") == raw.get("ns/k")
+    finally:
+        await ours.aclose()
+        await theirs.aclose()
+
+
+async def test_an_eviction_reaches_l1(start_redis: StartServer) -> None:
+    server = start_redis("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
+    store = open_backend(f"tiered+{server.url}/0")
+    try:
+        await store.set("ns/k", b"v")
+        assert await store.get("ns/k") == b"v" and store.peek("ns/k") == b"v"
+        with server.client() as raw:
+            filler = 0
+            while raw.exists("ns/k"):
+                raw.set(f"filler/{filler}", bytes(10_000))
+                filler += 1
+                assert filler < 10_000, "the server never evicted the key"
+        await eventually(lambda: store.peek("ns/k") is None)
+    finally:
+        await store.aclose()
+
+
+async def test_tracking_resumes_on_its_own_after_the_connection_breaks(
+    start_redis: StartServer,
+) -> None:
+    server = start_redis()
+    store = open_backend(f"tiered+{server.url}/0?l1_ttl=3600")
+    try:
+        await store.set("ns/k", b"v")
+        assert await store.get("ns/k") == b"v"
+        [tracked] = tracking_clients(server)
+        with server.client() as raw:
+            raw.client_kill_filter(_id=tracked)
+        # No GET follows: the lane reconnects by itself, and L1 drops what the broken
+        # connection tracked (a change in between would have gone unheard).
+        await eventually(lambda: tracking_clients(server) not in ([], [tracked]))
+        await eventually(lambda: store.peek("ns/k") is None)
+        assert await store.get("ns/k") == b"v" and store.peek("ns/k") == b"v"
+        with server.client() as raw:
+            raw.set("ns/k", b"new")  # heard on the new connection
+        await eventually(lambda: store.peek("ns/k") is None)
+    finally:
+        await store.aclose()
+    assert tracking_clients(server) == []  # closed with the store
+
+
+async def test_l1_serves_through_a_redis_restart_then_tracks_again(
+    start_redis: StartServer,
+) -> None:
+    server = start_redis()
+    store = open_backend(f"tiered+{server.url}/0?l1_ttl=3600&socket_timeout=0.3")
+    try:
+        await store.set("ns/k", b"v")
+        assert await store.get("ns/k") == b"v"
+        server.stop()
+        await asyncio.sleep(0.3)  # reconnects are refused meanwhile
+        assert store.peek("ns/k") == b"v"  # hot keys survive the outage (for l1_ttl)
+        server.start()  # empty: nothing it held survived
+        await eventually(lambda: store.peek("ns/k") is None, within=5)
+        assert await store.get("ns/k") is None
+    finally:
+        await store.aclose()
+
+
+async def test_a_server_refusing_to_track_leaves_l1_bounded_by_l1_ttl(
+    start_redis: StartServer,
+) -> None:
+    server = start_redis()
+    with server.client() as raw:
+        raw.acl_setuser("plain", enabled=True, passwords=["+pw"], keys=["*"],
+                        commands=["+@all", "-client"])
+    url = f"tiered+redis://plain:pw@127.0.0.1:{server.port}/0?l1_ttl=0.5"
+    store = open_backend(url)
+    assert isinstance(store, TieredBackend) and isinstance(store.l2, RedisBackend)
+    try:
+        await store.set("ns/k", b"v")
+        assert await store.get("ns/k") == b"v" and store.peek("ns/k") == b"v"
+        assert "NOPERM" in (store.l2.tracking_refused or "")
+        assert store.coherence.startswith("bounded by l1_ttl (the server refused")
+        with server.client() as raw:
+            raw.set("ns/k", b"new")
+        await asyncio.sleep(0.1)
+        assert store.peek("ns/k") == b"v"  # not told: stale for at most l1_ttl
+        await eventually(lambda: store.peek("ns/k") is None, within=2)
+        assert await store.get("ns/k") == b"new"
+    finally:
+        await store.aclose()
+
+
+async def test_only_a_tiered_store_over_one_server_tracks(
+    start_redis: StartServer, redis_cluster_url: str
+) -> None:
+    server = start_redis()
+    plain = open_backend(server.url + "/0")
+    cluster = open_backend(f"tiered+{redis_cluster_url}")
+    assert isinstance(cluster, TieredBackend)
+    try:
+        assert await plain.get("k") is None
+        assert tracking_clients(server) == []  # the plain store asks for no invalidations
+        assert not cluster.coherent  # a cluster: bounded by l1_ttl, as the docstring says
+        assert cluster.coherence.startswith("bounded by l1_ttl (RedisBackend(")
+    finally:
+        await plain.aclose()
+        await cluster.aclose()
