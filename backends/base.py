@@ -79,8 +79,15 @@ class Invalidations(Protocol):
         while it was down went unheard. False when this store cannot track at all."""
 
     @property
+    def tracking(self) -> bool:
+        """Whether what get() reads now is tracked (False while reconnecting)."""
+
+    @property
     def tracking_refused(self) -> str | None:
         """Why the server declined to track, when it did (tracking then never starts)."""
+
+    async def get_with_ttl(self, key: str) -> tuple[bytes | None, float | None]:
+        """get(), tracked, with the seconds the value has left (None: no expiry)."""
 
 
 @runtime_checkable

@@ -13,7 +13,7 @@ cluster node); more wait for a free slot up to the sum of both timeouts, then fa
 GETs of a single server (redis://, unix://) are pipelined on one connection of their own
 (backends/resp.py): the hit path's only call, at a fifth of redis-py's CPU per GET. On that
 connection the server can also track the keys read and report their changes (`track`,
-Redis 6+ client-side caching), which keeps the tiered store's L1 coherent across replicas.
+backends/tracking.py), which keeps the tiered store's L1 coherent across replicas.
 
 Expiry is the server's own (SET ... PX), evictions are the server's maxmemory policy, so
 max_bytes here is whatever maxmemory says. Every key is a single-key command, so keys need
@@ -39,6 +39,7 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from backends.base import PURGE_BATCH, BackendError, StoreStatsResult, expiry
 from backends.resp import Address, GetLane, LaneError
+from backends.tracking import TrackedLane
 
 DEFAULT_SOCKET_TIMEOUT = 1.0
 DEFAULT_MAX_CONNECTIONS = 64
@@ -100,22 +101,45 @@ class RedisBackend:
         return _as_bytes(value)
 
     def track(self, changed: Callable[[str | None], None], restarted: Callable[[], None]) -> bool:
-        """Invalidations for the keys get() reads (RESP3 CLIENT TRACKING on the GET lane);
-        False over a cluster or TLS, which have no lane. `tracking_refused` says why a
-        server declined."""
+        """Invalidations for the keys get() reads (backends/tracking.py, on the GET lane);
+        False over a cluster or TLS, which have no lane."""
         if self._lane is None:
             return False
 
         def heard(key: bytes | None) -> None:
             changed(None if key is None else key.decode("utf-8", "surrogateescape"))
 
-        self._lane.track(heard, restarted)
+        lane, self._lane = self._lane, TrackedLane.like(self._lane, changed=heard,
+                                                         restarted=restarted)
+        lane.close()
         return True
+
+    @property
+    def tracking(self) -> bool:
+        """Whether the server tracks what get() reads now (a tracked connection is open)."""
+        return isinstance(self._lane, TrackedLane) and self._lane.tracking
 
     @property
     def tracking_refused(self) -> str | None:
         """The server's answer when it refused to track keys (Redis < 6, or an ACL)."""
-        return None if self._lane is None else self._lane.refused
+        return self._lane.refused if isinstance(self._lane, TrackedLane) else None
+
+    async def get_with_ttl(self, key: str) -> tuple[bytes | None, float | None]:
+        """The value and the seconds it has left (None: no expiry), read in one round trip."""
+        if self._lane is not None:
+            self._check_open()
+            try:
+                value, pttl = await self._lane.get_with_pttl(key)
+            except LaneError as exc:
+                raise BackendError(f"{self!r}: {exc}") from exc
+        else:
+            async with self._guard:
+                pipe = self._client.pipeline(transaction=False)
+                pipe.get(key)
+                pipe.pttl(key)
+                raw, pttl = await pipe.execute()
+            value = _as_bytes(raw)
+        return value, (pttl / 1000 if value is not None and pttl >= 0 else None)
 
     async def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
         """SET with PX milliseconds (rounded up) when ttl is given."""

@@ -7,15 +7,10 @@ the event loop go out in one write. Only GET goes this way,
 on single servers over TCP or a Unix socket; everything else (writes, leases, pub/sub,
 scans, clusters, TLS) stays on redis-py.
 
-A lane given a listener (`GetLane.track`) speaks RESP3 with `CLIENT TRACKING ON`: the
-server remembers the keys this connection read and pushes an invalidation on the same
-connection when one changes (written, deleted, expired or evicted, by any client), so a
-push is always read after the replies to the GETs sent before the change. The listener
-hears each such key, and None ("anything may have changed") on a server flush; `restarted`
-is called each time tracking starts on a new connection (what an earlier one read is
-tracked no more). When a tracked connection is lost the lane reconnects in the background
-(backoff up to MAX_RECONNECT_DELAY), without waiting for the next GET; until then,
-invalidations go unheard.
+Deadlines: a caller waits at most `timeout` for its reply; the connection is kept (a late
+reply is dropped in its turn) unless its oldest unanswered command is DEAD_AFTER timeouts
+old, when it is closed and the next call opens another. backends/tracking.py builds on this
+lane for client-side caching.
 """
 
 from __future__ import annotations
@@ -23,16 +18,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
 import hiredis
 
 Waiter = tuple["asyncio.Future[object]", float]
-Listener = Callable[[bytes | None], None]
-FIRST_RECONNECT_DELAY = 0.05
-MAX_RECONNECT_DELAY = 2.0
+DEAD_AFTER = 3  # timeouts without any reply to the oldest command: the connection is dead
 
 
 class LaneError(Exception):
@@ -68,11 +61,11 @@ class _Replies(asyncio.Protocol):
 
     def __init__(self) -> None:
         self._reader = hiredis.Reader()
-        self.listener: Listener | None = None  # set once the server tracks this connection
-        self.on_lost: Callable[[], None] | None = None  # called when a tracked one breaks
         self.waiting: deque[Waiter] = deque()
         self.transport: asyncio.Transport | None = None
         self.outbox: list[bytes] = []  # commands of this turn of the event loop, sent together
+        self.on_push: Callable[[list[object]], None] | None = None  # RESP3 pushes, if any
+        self.on_lost: Callable[[], None] | None = None
 
     def write_out(self) -> None:
         """Send the commands queued in this turn of the loop in one write."""
@@ -92,24 +85,16 @@ class _Replies(asyncio.Protocol):
         try:
             while (reply := self._reader.gets()) is not False:
                 if isinstance(reply, hiredis.PushNotification):
-                    self._pushed(reply)
+                    if self.on_push is not None:
+                        self.on_push(reply)
                     continue
                 waiter = self.waiting.popleft()[0]
-                if not waiter.done():  # a cancelled caller's reply is dropped in its turn
+                if not waiter.done():  # a cancelled or late caller's reply is dropped in turn
                     waiter.set_result(reply)
         except (hiredis.ProtocolError, IndexError) as exc:  # garbage, or a reply nobody asked
             self.fail(LaneError(f"protocol error: {exc!r}"))
-
-    def _pushed(self, push: list[object]) -> None:
-        """An invalidation: ["invalidate", [key, ...]], or ["invalidate", nil] on a flush."""
-        if self.listener is None or not push or push[0] != b"invalidate":
-            return
-        keys = push[1] if len(push) > 1 else None
-        if not isinstance(keys, list):
-            self.listener(None)
-            return
-        for key in keys:
-            self.listener(key if isinstance(key, bytes) else None)
+        except Exception as exc:  # a push listener's fault: start afresh
+            self.fail(LaneError(f"push not handled: {exc!r}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.fail(LaneError(f"connection lost: {exc!r}" if exc else "connection closed"))
@@ -120,9 +105,9 @@ class _Replies(asyncio.Protocol):
         self.outbox.clear()
         if transport is not None:
             transport.close()
-        tracked, self.listener = self.listener is not None, None
-        if tracked and self.on_lost is not None:
-            self.on_lost()
+        lost, self.on_lost, self.on_push = self.on_lost, None, None
+        if lost is not None:
+            lost()
         while self.waiting:
             waiter = self.waiting.popleft()[0]
             if not waiter.done():
@@ -139,20 +124,7 @@ class GetLane:
         self._replies: _Replies | None = None
         self._connecting = asyncio.Lock()
         self._watchdog: asyncio.TimerHandle | None = None
-        self._listener: Listener | None = None
-        self._restarted: Callable[[], None] = _nothing
-        self.refused: str | None = None  # why the server would not track, if it would not
         self._closed = False
-        self._reconnect: asyncio.TimerHandle | None = None
-        self._reconnecting: asyncio.Task[None] | None = None
-
-    def track(self, listener: Listener, restarted: Callable[[], None]) -> None:
-        """From the next connection on, ask the server to track the keys read (see the
-        module docstring); a connection open now is closed so that the next GET opens one."""
-        self._listener = listener
-        self._restarted = restarted
-        if self._replies is not None:
-            self._replies.fail(LaneError("reconnecting to track keys"))
 
     async def get(self, key: str) -> bytes | None:
         """The value under key or None; LaneError on any failure (GET is retried once on a
@@ -170,27 +142,32 @@ class GetLane:
                 if fresh or attempt == 2:
                     raise
                 continue
-            if isinstance(reply, hiredis.ReplyError):
-                raise LaneError(f"the server answered: {reply}")
-            if reply is not None and not isinstance(reply, bytes):
-                raise LaneError(f"GET answered {type(reply).__name__}")
-            return reply
+            return _value(reply)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    async def get_with_pttl(self, key: str) -> tuple[bytes | None, int]:
+        """GET and PTTL in one write: the value and its milliseconds to live (-1: none,
+        -2: no key). Not retried."""
+        replies = self._replies
+        if replies is None or replies.transport is None:
+            replies = await self._connect()
+        name = key.encode()
+        value, pttl = await asyncio.gather(self._send(replies, command(b"GET", name)),
+                                           self._send(replies, command(b"PTTL", name)))
+        if not isinstance(pttl, int):
+            raise LaneError(f"PTTL answered {pttl!r}")
+        return _value(value), pttl
+
     def close(self) -> None:
-        """Drop the connection (waiting callers get LaneError) and stop reconnecting."""
+        """Drop the connection (waiting callers get LaneError); later calls raise."""
         self._closed = True
-        if self._reconnect is not None:
-            self._reconnect.cancel()
-        if self._reconnecting is not None:
-            self._reconnecting.cancel()
         if self._replies is not None:
             self._replies.fail(LaneError("closed"))
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
 
-    def _send(self, replies: _Replies | None, request: bytes) -> Awaitable[object]:
+    def _send(self, replies: _Replies | None, request: bytes) -> asyncio.Future[object]:
         if replies is None or replies.transport is None or replies.transport.is_closing():
             raise LaneError("not connected")
         loop = asyncio.get_running_loop()
@@ -204,19 +181,32 @@ class GetLane:
         return waiter
 
     def _check_deadline(self) -> None:
-        """One timer per lane, not per GET: fail the connection if its oldest reply is late."""
+        """One timer per lane, not per GET: late callers get LaneTimeout; a connection whose
+        oldest command has waited DEAD_AFTER timeouts is closed."""
         self._watchdog = None
         replies = self._replies
         if replies is None or not replies.waiting:
             return
-        late = time.monotonic() - replies.waiting[0][1]
-        if late >= self._timeout:
-            replies.fail(LaneTimeout(f"TimeoutError: no reply within {self._timeout:g}s"))
+        now = time.monotonic()
+        dead_after = DEAD_AFTER * self._timeout
+        oldest = now - replies.waiting[0][1]
+        if oldest >= dead_after:
+            replies.fail(LaneTimeout(f"TimeoutError: no reply within {dead_after:g}s"))
             return
+        wake = dead_after - oldest
+        for waiter, sent in replies.waiting:  # oldest first: stop at the first one in time
+            if now - sent < self._timeout:
+                wake = min(wake, self._timeout - (now - sent))
+                break
+            if not waiter.done():
+                waiter.set_exception(LaneTimeout(f"TimeoutError: no reply within "
+                                                 f"{self._timeout:g}s"))
         loop = asyncio.get_running_loop()
-        self._watchdog = loop.call_later(self._timeout - late, self._check_deadline)
+        self._watchdog = loop.call_later(wake, self._check_deadline)
 
     async def _connect(self) -> _Replies:
+        if self._closed:
+            raise LaneError("closed")
         async with self._connecting:  # callers arriving meanwhile share one connection
             if self._replies is not None and self._replies.transport is not None:
                 return self._replies
@@ -228,6 +218,9 @@ class GetLane:
                                 f"{self._connect_timeout:g}s") from None
             except OSError as exc:
                 raise LaneError(f"{type(exc).__name__}: {exc}") from exc
+            if self._closed:  # closed while this connection was being opened
+                replies.fail(LaneError("closed"))
+                raise LaneError("closed")
             self._replies = replies
             return replies
 
@@ -250,47 +243,19 @@ class GetLane:
                 reply = await self._send(replies, request)
                 if isinstance(reply, hiredis.ReplyError):
                     raise LaneError(f"the server refused the connection set-up: {reply}")
-            if self._listener is not None:
-                await self._start_tracking(replies, self._listener)
+            await self._set_up(replies)
         except BaseException as exc:  # refused, timed out or cancelled: close what we opened
             replies.fail(exc if isinstance(exc, LaneError) else LaneError("set-up abandoned"))
             raise
         return replies
 
-    async def _start_tracking(self, replies: _Replies, listener: Listener) -> None:
-        """RESP3 and CLIENT TRACKING ON; a server that refuses either (older than 6, or an
-        ACL without CLIENT) leaves the lane untracked, its reason in `refused`."""
-        for request in (command(b"HELLO", b"3"), command(b"CLIENT", b"TRACKING", b"ON")):
-            reply = await self._send(replies, request)
-            if isinstance(reply, hiredis.ReplyError):
-                self.refused = str(reply)
-                return
-        self.refused = None
-        replies.listener = listener
-        replies.on_lost = self._tracking_lost
-        self._restarted()  # before any GET of this connection is sent
-
-    def _tracking_lost(self, delay: float = FIRST_RECONNECT_DELAY) -> None:
-        """Reconnect soon, so that tracking resumes even if no GET comes."""
-        if self._closed or self._reconnect is not None:
-            return
-        loop = asyncio.get_running_loop()
-        self._reconnect = loop.call_later(delay, self._start_reconnect, delay)
-
-    def _start_reconnect(self, delay: float) -> None:
-        self._reconnect = None
-        if self._closed or (self._replies is not None and self._replies.transport is not None):
-            return  # a GET reconnected meanwhile
-        self._reconnecting = asyncio.ensure_future(self._reconnect_once(delay))
-
-    async def _reconnect_once(self, delay: float) -> None:
-        try:
-            await self._connect()
-        except LaneError:
-            self._tracking_lost(min(2 * delay, MAX_RECONNECT_DELAY))
-        finally:
-            self._reconnecting = None
+    async def _set_up(self, replies: _Replies) -> None:
+        """More set-up on a new connection, before any GET is sent (see tracking.py)."""
 
 
-def _nothing() -> None:
-    pass
+def _value(reply: object) -> bytes | None:
+    if isinstance(reply, hiredis.ReplyError):
+        raise LaneError(f"the server answered: {reply}")
+    if reply is not None and not isinstance(reply, bytes):
+        raise LaneError(f"GET answered {type(reply).__name__}")
+    return reply

@@ -8,17 +8,22 @@ before L2 is opened:
     tiered+disk:///var/cache/cacheproxy?max_bytes=10000000000&l1_max_bytes=67108864
 
 l1_max_bytes bounds L1 (default 64 MiB); l1_ttl (seconds, default 60) bounds how long L1
-keeps any entry. Reads go L1, then L2 (filling L1); writes and deletes go to both; purge
-purges both; scan and the stats are L2's.
+keeps any entry. Reads go L1, then L2 (filling L1 for at most l1_ttl and the entry's life
+left in L2); writes go to L2 and drop the L1 copy (copied into L1 too where L2 cannot track,
+below); deletes and purges go to both; scan and the stats are L2's.
 
 Coherence: over a single Redis server (tiered+redis://, tiered+unix://) L1 holds only
-values read from L2 on a connection the server tracks (RESP3 CLIENT TRACKING, Redis 6+):
-when any client changes one of those keys (writes, deletes, purges; or the server expires
-or evicts it) the server pushes an invalidation and L1 drops the key, a round trip after
-the change, in every replica. A replica's own writes are not copied into L1 (its next read
-is, tracked). If the tracking connection breaks, L1 goes on serving what it holds for at
-most l1_ttl (so hot keys survive a Redis outage) while it reconnects in the background,
-and is emptied when tracking resumes.
+values read from L2 on a connection the server tracks (RESP3 CLIENT TRACKING, Redis 6+,
+backends/tracking.py): when any client changes one of those keys (writes, deletes, purges;
+or the server evicts or expires it) the server pushes an invalidation and L1 drops the key,
+a round trip after the change, in every replica; and an L1 copy never outlives the entry's
+TTL in L2 (read with it). A replica's own writes are not copied into L1 (its next read is,
+tracked). If the tracking connection breaks or goes silent (found within a heartbeat and
+three socket timeouts), L1 goes on serving what it holds for at most l1_ttl (so hot keys
+survive a Redis outage) while it reconnects in the background, and is emptied when
+tracking resumes; a server slower than socket_timeout but answering within three keeps the
+connection and L1. Redis tracks at most tracking-table-max-keys keys (default 1 M) across
+all clients, and beyond that invalidates some early: L1 then refills more often, no staler.
 
 Over an L2 that cannot track (disk, a cluster, TLS) writes are copied into L1 too, and one
 replica's L1 is not told about another replica's delete or overwrite, nor about L2 expiring
@@ -59,7 +64,8 @@ DEFAULT_L1_TTL = 60.0
 
 
 class TieredBackend:
-    """Read-through, write-through L1 (MemoryBackend) over any L2 Backend."""
+    """Read-through L1 (MemoryBackend) over any L2 Backend; write-through where L2 cannot
+    track what L1 read."""
 
     def __init__(self, l1: MemoryBackend, l2: Backend, *, l1_ttl: float = DEFAULT_L1_TTL) -> None:
         if not math.isfinite(l1_ttl) or l1_ttl <= 0:
@@ -67,31 +73,35 @@ class TieredBackend:
         self._l1 = l1
         self._l2 = l2
         self._l1_ttl = l1_ttl
-        # Moves at the start and the end of every write and on every invalidation: a fill
-        # whose L2 read overlapped one may carry the older value, so it is dropped instead.
+        # A fill whose L2 read overlapped a change may carry the older value, so it is dropped:
+        # the epoch moves at the start and end of every write here and on a flush; the first
+        # number of a key's _reading entry on each invalidation of that key (the second
+        # counts its reads in flight).
         self._epoch = 0
+        self._reading: dict[str, list[int]] = {}
         # A restart of tracking empties L1 but leaves the epoch: the reads then in flight go
         # out on the new, tracked connection (one answered on the old connection filled L1
         # in the loop step of its reply, before the new connection's set-up round trips).
-        self._coherent = isinstance(l2, Invalidations) and l2.track(self._changed, l1.clear)
+        self._tracker = l2 if isinstance(l2, Invalidations) and \
+            l2.track(self._changed, l1.clear) else None
 
     def __repr__(self) -> str:
         return f"TieredBackend({self._l1!r}, {self._l2!r}, l1_ttl={self._l1_ttl})"
 
     @property
     def coherent(self) -> bool:
-        """Whether L2 reports changes to what L1 holds (see the module docstring)."""
-        return self._coherent
+        """Whether L2 can report changes to what L1 holds (see the module docstring)."""
+        return self._tracker is not None
 
     @property
     def coherence(self) -> str:
-        """For operators: "tracked", or why L1 may lag other replicas by up to l1_ttl."""
-        if not self._coherent:
+        """For operators: "tracked", or why L1 may lag other replicas by up to l1_ttl now."""
+        if self._tracker is None:
             return f"bounded by l1_ttl ({self._l2!r} cannot track keys)"
-        refused = cast(Invalidations, self._l2).tracking_refused
-        if refused is not None:
+        if self._tracker.tracking_refused is not None:
+            refused = self._tracker.tracking_refused
             return f"bounded by l1_ttl (the server refused to track keys: {refused})"
-        return "tracked"
+        return "tracked" if self._tracker.tracking else "connecting (bounded by l1_ttl)"
 
     @property
     def l1(self) -> MemoryBackend:
@@ -104,14 +114,27 @@ class TieredBackend:
         return self._l2
 
     async def get(self, key: str) -> bytes | None:
-        """L1, else L2 (copying a hit into L1)."""
+        """L1, else L2 (copying a hit into L1 for at most l1_ttl and what L2 gives it)."""
         value = self._l1.peek(key)  # no coroutine per hit
         if value is not None:
             return value
-        epoch = self._epoch
-        value = await self._l2.get(key)
-        if value is not None and epoch == self._epoch:
-            await self._l1.set(key, value, self._l1_ttl)
+        reading = self._reading.get(key)
+        if reading is None:
+            reading = self._reading[key] = [0, 0]
+        reading[1] += 1
+        changes, epoch = reading[0], self._epoch
+        try:
+            if self._tracker is not None:
+                value, life = await self._tracker.get_with_ttl(key)
+            else:
+                value, life = await self._l2.get(key), None
+        finally:
+            reading[1] -= 1
+            if not reading[1]:
+                del self._reading[key]
+        life = self._l1_ttl if life is None else min(life, self._l1_ttl)
+        if value is not None and life > 0 and epoch == self._epoch and changes == reading[0]:
+            await self._l1.set(key, value, life)
         return value
 
     def peek(self, key: str) -> bytes | None:
@@ -122,26 +145,26 @@ class TieredBackend:
         """Store in L2, then (unless L2 tracks reads) in L1 for at most l1_ttl."""
         expiry(0.0, ttl)  # a bad ttl changes nothing in either tier
         self._epoch += 1
-        if self._coherent:
-            self._l1.discard(key)  # the next read copies the new value, tracked
+        self._l1.discard(key)
         try:
             await self._l2.set(key, value, ttl)
-        except BaseException:
-            await self._l1.delete(key)  # L2 may or may not hold the new value now
-            raise
         finally:
             self._epoch += 1
-        if not self._coherent:
+        tracked = self._tracker is not None and self._tracker.tracking_refused is None
+        if not tracked:  # tracked: the next read copies the new value, tracked
             await self._l1.set(key, value,
                                self._l1_ttl if ttl is None else min(ttl, self._l1_ttl))
 
     def _changed(self, key: str | None) -> None:
         """L2 says key (None: any key) may have changed: L1 forgets it, fills in flight drop."""
-        self._epoch += 1
         if key is None:
+            self._epoch += 1
             self._l1.clear()
-        else:
-            self._l1.discard(key)
+            return
+        self._l1.discard(key)
+        reading = self._reading.get(key)
+        if reading is not None:
+            reading[0] += 1
 
     async def delete(self, key: str) -> bool:
         """Remove from both tiers; True when either held a live entry."""

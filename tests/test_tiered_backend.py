@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from backends import BackendError, MemoryBackend, TieredBackend, open_backend
-from backends.redis import RedisBackend
+from backends.redis import open_redis
 from tests.conftest_redis import StartServer
 from tests.redis_servers import RedisServer
 from tests.test_backends import FakeClock
@@ -170,11 +170,15 @@ class TrackingStore(ProbedStore):
         super().__init__(clock)
         self.changed: Callable[[str | None], None] = lambda key: None
         self.restarted: Callable[[], None] = lambda: None
+        self.tracking = True
         self.tracking_refused: str | None = None
 
     def track(self, changed: Callable[[str | None], None], restarted: Callable[[], None]) -> bool:
         self.changed, self.restarted = changed, restarted
         return True
+
+    async def get_with_ttl(self, key: str) -> tuple[bytes | None, float | None]:
+        return await self.get(key), None
 
 
 async def eventually(check: Callable[[], bool], within: float = 2.0) -> None:
@@ -202,6 +206,13 @@ async def test_a_fill_racing_an_invalidation_is_dropped(clock: FakeClock) -> Non
     l2.hold.set()
     assert await reader == b"old"
     assert store.peek("k") is None
+    l2.hold = asyncio.Event()
+    reader = asyncio.create_task(store.get("k"))
+    await asyncio.sleep(0)
+    l2.changed("other")  # a change to another key does not hold this fill back
+    l2.hold.set()
+    assert await reader == b"old" and store.peek("k") == b"old"
+    l2.changed("k")
     l2.hold = None
     assert await store.get("k") == b"old" and store.peek("k") == b"old"
     l2.changed("other")
@@ -353,19 +364,21 @@ async def test_a_server_refusing_to_track_leaves_l1_bounded_by_l1_ttl(
     with server.client() as raw:
         raw.acl_setuser("plain", enabled=True, passwords=["+pw"], keys=["*"],
                         commands=["+@all", "-client"])
-    url = f"tiered+redis://plain:pw@127.0.0.1:{server.port}/0?l1_ttl=0.5"
-    store = open_backend(url)
-    assert isinstance(store, TieredBackend) and isinstance(store.l2, RedisBackend)
+    clock = FakeClock()
+    l2 = open_redis(f"redis://plain:pw@127.0.0.1:{server.port}/0")
+    store = TieredBackend(MemoryBackend(clock=clock), l2, l1_ttl=5)
     try:
+        assert await store.get("absent") is None  # the lane's first connection: refused
         await store.set("ns/k", b"v")
-        assert await store.get("ns/k") == b"v" and store.peek("ns/k") == b"v"
-        assert "NOPERM" in (store.l2.tracking_refused or "")
+        assert store.peek("ns/k") == b"v"  # untracked: its own writes are copied, as before
+        assert "NOPERM" in (l2.tracking_refused or "") and not l2.tracking
         assert store.coherence.startswith("bounded by l1_ttl (the server refused")
         with server.client() as raw:
             raw.set("ns/k", b"new")
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.2)
         assert store.peek("ns/k") == b"v"  # not told: stale for at most l1_ttl
-        await eventually(lambda: store.peek("ns/k") is None, within=2)
+        clock.advance(5)
+        assert store.peek("ns/k") is None
         assert await store.get("ns/k") == b"new"
     finally:
         await store.aclose()
@@ -386,3 +399,127 @@ async def test_only_a_tiered_store_over_one_server_tracks(
     finally:
         await plain.aclose()
         await cluster.aclose()
+
+
+class Blackhole:
+    """A TCP relay to a server that can go silent without closing anything: the fault of a
+    network cut, which a local server cannot make (a stopped one closes its sockets)."""
+
+    def __init__(self, port: int) -> None:
+        self._port = port
+        self.silent = False
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._port)
+        for source, sink in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.create_task(self._pipe(source, sink))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        while data := await source.read(65536):
+            if not self.silent:
+                sink.write(data)
+        sink.close()
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+
+
+async def test_a_silent_connection_is_found_and_tracking_resumes(
+    start_redis: StartServer,
+) -> None:
+    server = start_redis()
+    relay = Blackhole(server.port)
+    port = await relay.start()
+    store = open_backend(f"tiered+redis://127.0.0.1:{port}/0?l1_ttl=3600&socket_timeout=0.2"
+                         "&socket_connect_timeout=0.2")
+    assert isinstance(store, TieredBackend)
+    try:
+        await store.set("ns/k", b"old")
+        assert await store.get("ns/k") == b"old" and store.coherence == "tracked"
+        relay.silent = True  # no GET follows: only the lane's heartbeat can tell
+        with server.client() as raw:
+            raw.set("ns/k", b"new")  # its invalidation is lost on the way
+        await eventually(lambda: store.coherence != "tracked", within=3)
+        assert store.peek("ns/k") == b"old"  # served on, for at most l1_ttl
+        relay.silent = False
+        await eventually(lambda: store.peek("ns/k") is None, within=5)
+        assert await store.get("ns/k") == b"new" and store.coherence == "tracked"
+    finally:
+        await store.aclose()
+        await relay.aclose()
+
+
+async def test_a_tracked_connection_outlives_the_servers_idle_timeout(
+    start_redis: StartServer,
+) -> None:
+    server = start_redis("--timeout", "1")
+    store = open_backend(f"tiered+{server.url}/0?l1_ttl=3600")
+    assert isinstance(store, TieredBackend)
+    try:
+        await store.set("ns/k", b"v")
+        assert await store.get("ns/k") == b"v"
+        [tracked] = tracking_clients(server)
+        await asyncio.sleep(2.5)  # hits answered from L1 only: the lane is otherwise idle
+        assert tracking_clients(server) == [tracked] and store.peek("ns/k") == b"v"
+    finally:
+        await store.aclose()
+
+
+async def test_a_server_stalled_for_less_than_three_timeouts_keeps_l1(
+    start_redis: StartServer,
+) -> None:
+    server = start_redis("--enable-debug-command", "yes")
+    store = open_backend(f"tiered+{server.url}/0?l1_ttl=3600&socket_timeout=0.3")
+    assert isinstance(store, TieredBackend)
+    try:
+        await store.set("ns/hot", b"v")
+        assert await store.get("ns/hot") == b"v"
+        [tracked] = tracking_clients(server)
+        with server.client() as raw:
+            stall = asyncio.create_task(asyncio.to_thread(raw.execute_command,
+                                                          "DEBUG", "SLEEP", "0.6"))
+            await asyncio.sleep(0.05)
+            with pytest.raises(BackendError, match="Timeout"):
+                await store.get("ns/cold")  # this caller waited its socket_timeout...
+            await stall
+        assert await store.get("ns/cold") is None  # ...the connection did not need to go
+        assert tracking_clients(server) == [tracked] and store.peek("ns/hot") == b"v"
+    finally:
+        await store.aclose()
+
+
+async def test_an_l1_copy_never_outlives_the_entry_in_redis(redis_url: str) -> None:
+    clock = FakeClock()
+    store = TieredBackend(MemoryBackend(clock=clock), open_redis(redis_url), l1_ttl=3600)
+    try:
+        await store.set("ns/k", b"v", ttl=60)
+        assert await store.get("ns/k") == b"v" and store.peek("ns/k") == b"v"
+        clock.advance(60)  # Redis may not have deleted it yet (it expires lazily)...
+        assert store.peek("ns/k") is None  # ...but L1 was told its life with the value
+    finally:
+        await store.aclose()
+
+
+async def test_a_closed_store_stops_reconnecting(start_redis: StartServer) -> None:
+    server = start_redis()
+    store = open_backend(f"tiered+{server.url}/0")
+    try:
+        assert await store.get("ns/k") is None
+        [tracked] = tracking_clients(server)
+        with server.client() as raw:
+            raw.client_kill_filter(_id=tracked)
+    finally:
+        await store.aclose()  # while its reconnect is due
+    await asyncio.sleep(0.3)
+    assert tracking_clients(server) == []
