@@ -39,7 +39,7 @@ def test_proxy_command_parses_with_the_real_cli() -> None:
     args = _parser().parse_args(proxy["command"])
     assert args.command == "serve"
     assert args.upstream == ["http://runner:8081"] and args.model_dir == "/models/demo"
-    assert args.store == "redis://redis:6379/0"
+    assert args.store == "tiered+redis://redis:6379/0"  # L1 kept coherent by Redis
     from backends import open_backend
 
     open_backend(args.store)  # the store URL is one the proxy accepts (no connection made)
