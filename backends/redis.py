@@ -139,7 +139,9 @@ class RedisBackend:
                 pipe.pttl(key)
                 raw, pttl = await pipe.execute()
             value = _as_bytes(raw)
-        return value, (pttl / 1000 if value is not None and pttl >= 0 else None)
+        if value is None or pttl == -1:
+            return value, None
+        return value, max(pttl, 0) / 1000  # -2: deleted since the GET, so nothing left
 
     async def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
         """SET with PX milliseconds (rounded up) when ttl is given."""

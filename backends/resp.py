@@ -7,10 +7,10 @@ the event loop go out in one write. Only GET goes this way,
 on single servers over TCP or a Unix socket; everything else (writes, leases, pub/sub,
 scans, clusters, TLS) stays on redis-py.
 
-Deadlines: a caller waits at most `timeout` for its reply; the connection is kept (a late
-reply is dropped in its turn) unless its oldest unanswered command is DEAD_AFTER timeouts
-old, when it is closed and the next call opens another. backends/tracking.py builds on this
-lane for client-side caching.
+Deadlines: a caller waits at most `timeout` for its reply. The connection is closed (and
+the next call opens another) when its oldest unanswered command is `dead_after` timeouts
+old: at once by default; a lane that holds on to its connection (backends/tracking.py,
+client-side caching) keeps it through a shorter stall, a late reply dropped in its turn.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from typing import cast
 import hiredis
 
 Waiter = tuple["asyncio.Future[object]", float]
-DEAD_AFTER = 3  # timeouts without any reply to the oldest command: the connection is dead
 
 
 class LaneError(Exception):
@@ -117,8 +116,10 @@ class _Replies(asyncio.Protocol):
 class GetLane:
     """GETs pipelined on one lazily opened connection, with a reply deadline."""
 
-    def __init__(self, address: Address, *, timeout: float, connect_timeout: float) -> None:
+    def __init__(self, address: Address, *, timeout: float, connect_timeout: float,
+                 dead_after: int = 1) -> None:
         self._address = address
+        self._dead_after = dead_after
         self._timeout = timeout
         self._connect_timeout = connect_timeout
         self._replies: _Replies | None = None
@@ -147,16 +148,27 @@ class GetLane:
 
     async def get_with_pttl(self, key: str) -> tuple[bytes | None, int]:
         """GET and PTTL in one write: the value and its milliseconds to live (-1: none,
-        -2: no key). Not retried."""
-        replies = self._replies
-        if replies is None or replies.transport is None:
-            replies = await self._connect()
+        -2: no key); retried as get() is."""
         name = key.encode()
-        value, pttl = await asyncio.gather(self._send(replies, command(b"GET", name)),
-                                           self._send(replies, command(b"PTTL", name)))
-        if not isinstance(pttl, int):
-            raise LaneError(f"PTTL answered {pttl!r}")
-        return _value(value), pttl
+        for attempt in (1, 2):
+            replies = self._replies
+            fresh = replies is None or replies.transport is None
+            if fresh:
+                replies = await self._connect()
+            try:
+                value, pttl = await asyncio.gather(
+                    self._send(replies, command(b"GET", name)),
+                    self._send(replies, command(b"PTTL", name)))
+            except LaneTimeout:
+                raise
+            except LaneError:
+                if fresh or attempt == 2:
+                    raise
+                continue
+            if not isinstance(pttl, int):
+                raise LaneError(f"PTTL answered {pttl!r}")
+            return _value(value), pttl
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def close(self) -> None:
         """Drop the connection (waiting callers get LaneError); later calls raise."""
@@ -182,18 +194,18 @@ class GetLane:
 
     def _check_deadline(self) -> None:
         """One timer per lane, not per GET: late callers get LaneTimeout; a connection whose
-        oldest command has waited DEAD_AFTER timeouts is closed."""
+        oldest command has waited dead_after timeouts is closed."""
         self._watchdog = None
         replies = self._replies
         if replies is None or not replies.waiting:
             return
         now = time.monotonic()
-        dead_after = DEAD_AFTER * self._timeout
+        dead_after = self._dead_after * self._timeout
         oldest = now - replies.waiting[0][1]
         if oldest >= dead_after:
             replies.fail(LaneTimeout(f"TimeoutError: no reply within {dead_after:g}s"))
             return
-        wake = dead_after - oldest
+        wake = min(dead_after - oldest, self._timeout)  # a GET sent next is checked in time
         for waiter, sent in replies.waiting:  # oldest first: stop at the first one in time
             if now - sent < self._timeout:
                 wake = min(wake, self._timeout - (now - sent))

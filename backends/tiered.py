@@ -74,9 +74,9 @@ class TieredBackend:
         self._l2 = l2
         self._l1_ttl = l1_ttl
         # A fill whose L2 read overlapped a change may carry the older value, so it is dropped:
-        # the epoch moves at the start and end of every write here and on a flush; the first
-        # number of a key's _reading entry on each invalidation of that key (the second
-        # counts its reads in flight).
+        # the epoch moves on a purge or a flush; the first number of a key's _reading entry at
+        # the start and end of a write or delete of that key here, and on each invalidation
+        # of it (the second number counts the key's reads in flight).
         self._epoch = 0
         self._reading: dict[str, list[int]] = {}
         # A restart of tracking empties L1 but leaves the epoch: the reads then in flight go
@@ -144,12 +144,12 @@ class TieredBackend:
     async def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
         """Store in L2, then (unless L2 tracks reads) in L1 for at most l1_ttl."""
         expiry(0.0, ttl)  # a bad ttl changes nothing in either tier
-        self._epoch += 1
+        self._touch(key)
         self._l1.discard(key)
         try:
             await self._l2.set(key, value, ttl)
         finally:
-            self._epoch += 1
+            self._touch(key)
         tracked = self._tracker is not None and self._tracker.tracking_refused is None
         if not tracked:  # tracked: the next read copies the new value, tracked
             await self._l1.set(key, value,
@@ -162,18 +162,22 @@ class TieredBackend:
             self._l1.clear()
             return
         self._l1.discard(key)
+        self._touch(key)
+
+    def _touch(self, key: str) -> None:
+        """Reads of key in flight must not fill L1."""
         reading = self._reading.get(key)
         if reading is not None:
             reading[0] += 1
 
     async def delete(self, key: str) -> bool:
         """Remove from both tiers; True when either held a live entry."""
-        self._epoch += 1
+        self._touch(key)
         try:
             in_l1 = await self._l1.delete(key)
             return await self._l2.delete(key) or in_l1
         finally:
-            self._epoch += 1
+            self._touch(key)
 
     async def purge_namespace(self, namespace: str) -> int:
         """Purge L1, then L2; the count is L2's."""

@@ -9,7 +9,8 @@ time tracking starts on a new connection (what an earlier one read is tracked no
 
 A tracked connection must be known alive even when no GET is sent (the readers' hot keys
 are answered from their own memory): it is pinged every HEARTBEAT seconds when idle, so a
-silent network cut is found within HEARTBEAT + DEAD_AFTER timeouts, and a server's idle
+silent network cut is found within HEARTBEAT + DEAD_AFTER timeouts (and `tracking` says
+False once a reply is a timeout late), and a server's idle
 `timeout` never closes it. When it is lost, the lane reconnects in the background (backoff up
 to MAX_RECONNECT_DELAY) without waiting for the next GET; meanwhile changes go unheard.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 
 import hiredis
@@ -28,6 +30,7 @@ import hiredis
 from backends.resp import Address, GetLane, LaneError, _Replies, command
 
 HEARTBEAT = 0.5
+DEAD_AFTER = 3  # socket timeouts without a reply before a tracked connection is given up
 FIRST_RECONNECT_DELAY = 0.05
 MAX_RECONNECT_DELAY = 2.0
 
@@ -37,7 +40,8 @@ class TrackedLane(GetLane):
 
     def __init__(self, address: Address, *, timeout: float, connect_timeout: float,
                  changed: Callable[[bytes | None], None], restarted: Callable[[], None]) -> None:
-        super().__init__(address, timeout=timeout, connect_timeout=connect_timeout)
+        super().__init__(address, timeout=timeout, connect_timeout=connect_timeout,
+                         dead_after=DEAD_AFTER)
         self._changed = changed
         self._restarted = restarted
         self.refused: str | None = None
@@ -53,9 +57,12 @@ class TrackedLane(GetLane):
 
     @property
     def tracking(self) -> bool:
-        """Whether the connection open now is tracked (False while none is)."""
+        """Whether the connection open now is tracked and answering (False while none is,
+        and while a reply is later than the socket timeout)."""
         replies = self._replies
-        return replies is not None and replies.on_push is not None
+        if replies is None or replies.on_push is None:
+            return False
+        return not replies.waiting or time.monotonic() - replies.waiting[0][1] < self._timeout
 
     def close(self) -> None:
         """GetLane.close, and no more heartbeats or reconnects."""

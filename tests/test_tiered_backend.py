@@ -209,7 +209,8 @@ async def test_a_fill_racing_an_invalidation_is_dropped(clock: FakeClock) -> Non
     l2.hold = asyncio.Event()
     reader = asyncio.create_task(store.get("k"))
     await asyncio.sleep(0)
-    l2.changed("other")  # a change to another key does not hold this fill back
+    l2.changed("other")  # a change to another key does not hold this fill back,
+    await store.set("other", b"x")  # nor a write of one here
     l2.hold.set()
     assert await reader == b"old" and store.peek("k") == b"old"
     l2.changed("k")
@@ -488,13 +489,35 @@ async def test_a_server_stalled_for_less_than_three_timeouts_keeps_l1(
         [tracked] = tracking_clients(server)
         with server.client() as raw:
             stall = asyncio.create_task(asyncio.to_thread(raw.execute_command,
-                                                          "DEBUG", "SLEEP", "0.6"))
+                                                          "DEBUG", "SLEEP", "0.8"))
             await asyncio.sleep(0.05)
             with pytest.raises(BackendError, match="Timeout"):
                 await store.get("ns/cold")  # this caller waited its socket_timeout...
+            assert store.coherence.startswith("connecting")  # (a reply is late)
+            started = time.monotonic()
+            with pytest.raises(BackendError, match="Timeout"):
+                await store.get("ns/cold")  # a second caller waits its own, no longer
+            assert time.monotonic() - started < 0.45
             await stall
         assert await store.get("ns/cold") is None  # ...the connection did not need to go
         assert tracking_clients(server) == [tracked] and store.peek("ns/hot") == b"v"
+        assert store.coherence == "tracked"
+    finally:
+        await store.aclose()
+
+
+async def test_a_read_on_a_connection_killed_under_it_is_retried(
+    start_redis: StartServer,
+) -> None:
+    server = start_redis()
+    store = open_backend(f"tiered+{server.url}/0")
+    try:
+        await store.set("ns/k", b"v")
+        assert await store.get("ns/other") is None
+        [tracked] = tracking_clients(server)
+        with server.client() as raw:
+            raw.client_kill_filter(_id=tracked)  # the loop has not seen the close yet
+        assert await store.get("ns/k") == b"v"  # sent, lost, sent again on a new connection
     finally:
         await store.aclose()
 
