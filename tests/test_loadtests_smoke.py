@@ -20,6 +20,7 @@ SMOKES = {
     "hit_path": ("hit_path.png", "| tiered |"),
     "workload": ("workload.png", "| through cacheproxy |"),
     "faults": ("faults.png", "| hostile |"),
+    "coherence": ("coherence.png", "| tiered+redis, l1_ttl 3600 s | 5 |"),
 }
 
 
