@@ -10,8 +10,9 @@ Options (query): socket_timeout, socket_connect_timeout (float seconds, default 
 max_connections (default 64): at most that many commands are in flight per backend (and per
 cluster node); more wait for a free slot up to the sum of both timeouts, then fail.
 
-GETs of a single server (redis://, unix://) are pipelined on one connection of their own
-(backends/resp.py): the hit path's only call, at a fifth of redis-py's CPU per GET. On that
+GETs of a single server (redis://, rediss://, unix://) are pipelined on one connection of
+their own (backends/resp.py; over TLS with the SSL context redis-py builds from the same URL):
+the hit path's only call, at a fifth of redis-py's CPU per GET. On that
 connection the server can also track the keys read and report their changes (`track`,
 backends/tracking.py), which keeps the tiered store's L1 coherent across replicas.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import ssl
 from collections.abc import AsyncIterator, Callable, Iterable
 from types import TracebackType
 from typing import Any
@@ -32,6 +34,7 @@ from urllib.parse import SplitResult, parse_qsl, urlencode, urlsplit, urlunsplit
 
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -102,7 +105,7 @@ class RedisBackend:
 
     def track(self, changed: Callable[[str | None], None], restarted: Callable[[], None]) -> bool:
         """Invalidations for the keys get() reads (backends/tracking.py, on the GET lane);
-        False over a cluster or TLS, which have no lane."""
+        False over a cluster, which has no lane."""
         if self._lane is None:
             return False
 
@@ -363,13 +366,17 @@ def open_redis(url: str) -> RedisBackend:
     _check_single(name, parts)
     base = urlunsplit(parts._replace(query=urlencode(passthrough), fragment=""))
     pool = ConnectionPool.from_url(base, **common)
-    lane = None
-    if parts.scheme in ("redis", "unix"):  # TLS GETs stay on redis-py
-        kw = pool.connection_kwargs
-        address = Address(host=kw.get("host", "localhost"), port=int(kw.get("port", 6379)),
-                          path=kw.get("path"), db=int(kw.get("db", 0) or 0),
-                          username=kw.get("username"), password=kw.get("password"))
-        lane = GetLane(address, timeout=socket_timeout, connect_timeout=connect_timeout)
+    kw = pool.connection_kwargs
+    tls = None
+    if parts.scheme == "rediss":  # the very context redis-py's own connections would use
+        try:
+            tls = SSLConnection(**kw).ssl_context.get()
+        except (OSError, ssl.SSLError, RedisError) as exc:
+            raise ValueError(f"backend URL {name!r}: TLS set-up failed: {exc}") from None
+    address = Address(host=kw.get("host", "localhost"), port=int(kw.get("port", 6379)),
+                      path=kw.get("path"), db=int(kw.get("db", 0) or 0),
+                      username=kw.get("username"), password=kw.get("password"), tls=tls)
+    lane = GetLane(address, timeout=socket_timeout, connect_timeout=connect_timeout)
     return RedisBackend(Redis.from_pool(pool), name=name, max_in_flight=max_connections,
                         wait=wait, lane=lane)
 

@@ -3,9 +3,9 @@
 Measured here, redis-py's asyncio client spends ~150 µs of CPU per GET (pool checkout,
 command packing, its reply parser); GETs written back to back on one connection, their
 replies parsed by hiredis and matched in order, cost ~20-30 µs. The GETs of one turn of
-the event loop go out in one write. Only GET goes this way,
-on single servers over TCP or a Unix socket; everything else (writes, leases, pub/sub,
-scans, clusters, TLS) stays on redis-py.
+the event loop go out in one write. Only GET goes this way, on single servers over TCP
+(plain or TLS) or a Unix socket; everything else (writes, leases, pub/sub, scans, clusters)
+stays on redis-py.
 
 Deadlines: a caller waits at most `timeout` for its reply. The connection is closed (and
 the next call opens another) when its oldest unanswered command is `dead_after` timeouts
@@ -16,6 +16,7 @@ client-side caching) keeps it through a shorter stall, a late reply dropped in i
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections import deque
 from collections.abc import Callable
@@ -45,6 +46,7 @@ class Address:
     db: int = 0
     username: str | None = None
     password: str | None = None
+    tls: ssl.SSLContext | None = None  # rediss://: the context redis-py builds for the URL
 
 
 def command(*parts: bytes) -> bytes:
@@ -243,7 +245,8 @@ class GetLane:
         if a.path is not None:
             _, replies = await loop.create_unix_connection(factory, a.path)
         else:
-            _, replies = await loop.create_connection(factory, a.host, a.port)
+            _, replies = await loop.create_connection(
+                factory, a.host, a.port, ssl=a.tls, server_hostname=a.host if a.tls else None)
         hello = []
         if a.username or a.password is not None:  # as redis-py: AUTH [user] password
             user = [a.username.encode()] if a.username else []

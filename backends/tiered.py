@@ -12,7 +12,7 @@ keeps any entry. Reads go L1, then L2 (filling L1 for at most l1_ttl and the ent
 left in L2); writes go to L2 and drop the L1 copy (copied into L1 too where L2 cannot track,
 below); deletes and purges go to both; scan and the stats are L2's.
 
-Coherence: over a single Redis server (tiered+redis://, tiered+unix://) L1 holds only
+Coherence: over a single Redis server (tiered+redis://, +rediss://, +unix://) L1 holds only
 values read from L2 on a connection the server tracks (RESP3 CLIENT TRACKING, Redis 6+,
 backends/tracking.py): when any client changes one of those keys (writes, deletes, purges;
 or the server evicts or expires it) the server pushes an invalidation and L1 drops the key,
@@ -25,7 +25,7 @@ tracking resumes; a server slower than socket_timeout but answering within three
 connection and L1. Redis tracks at most tracking-table-max-keys keys (default 1 M) across
 all clients, and beyond that invalidates some early: L1 then refills more often, no staler.
 
-Over an L2 that cannot track (disk, a cluster, TLS) writes are copied into L1 too, and one
+Over an L2 that cannot track (disk, a cluster) writes are copied into L1 too, and one
 replica's L1 is not told about another replica's delete or overwrite, nor about L2 expiring
 or evicting an entry it copied: it may serve that value for at most l1_ttl longer (and only
 while L1's LRU keeps it). So may a Redis server that refuses to track (older than 6, or an

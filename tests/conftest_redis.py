@@ -15,9 +15,11 @@ from tests.redis_servers import (
     NoServerBinary,
     RedisClusterNodes,
     RedisServer,
+    TlsServer,
     server_binary,
     start_cluster,
     start_server,
+    start_tls_server,
 )
 
 StartServer = Callable[..., RedisServer]
@@ -46,6 +48,28 @@ def redis_server(
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_tls_server(
+    redis_binary: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TlsServer]:
+    """One standalone server for the session that also speaks TLS (rediss://)."""
+    try:
+        tls = start_tls_server(redis_binary, tmp_path_factory.mktemp("redis-tls"))
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        yield tls
+    finally:
+        tls.server.stop()
+
+
+@pytest.fixture
+def redis_tls_url(redis_tls_server: TlsServer) -> str:
+    """The TLS session server's rediss:// URL (database 1), emptied for this test."""
+    redis_tls_server.server.flushall()
+    return redis_tls_server.url(1)
 
 
 @pytest.fixture(scope="session")

