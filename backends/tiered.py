@@ -82,8 +82,10 @@ class TieredBackend:
         # A restart of tracking empties L1 but leaves the epoch: the reads then in flight go
         # out on the new, tracked connection (one answered on the old connection filled L1
         # in the loop step of its reply, before the new connection's set-up round trips).
+        self.invalidations = 0  # keys L2 said changed, and flushes
+        self.restarts = 0  # times tracking started on a new connection
         self._tracker = l2 if isinstance(l2, Invalidations) and \
-            l2.track(self._changed, l1.clear) else None
+            l2.track(self._changed, self._restarted) else None
 
     def __repr__(self) -> str:
         return f"TieredBackend({self._l1!r}, {self._l2!r}, l1_ttl={self._l1_ttl})"
@@ -157,12 +159,18 @@ class TieredBackend:
 
     def _changed(self, key: str | None) -> None:
         """L2 says key (None: any key) may have changed: L1 forgets it, fills in flight drop."""
+        self.invalidations += 1
         if key is None:
             self._epoch += 1
             self._l1.clear()
             return
         self._l1.discard(key)
         self._touch(key)
+
+    def _restarted(self) -> None:
+        """Tracking starts on a new connection: what L1 holds is tracked no more."""
+        self.restarts += 1
+        self._l1.clear()
 
     def _touch(self, key: str) -> None:
         """Reads of key in flight must not fill L1."""

@@ -84,6 +84,9 @@ async def metrics(request: web.Request) -> web.Response:
     gauges = {"store_errors": data["counters"].get("store_errors", 0),
               "breaker": data["store_breaker"],
               "entries": data["store"].get("entries"), "bytes": data["store"].get("bytes"),
+              "l1": data["store"].get("l1"),
+              "l1_invalidations": data["store"].get("l1_invalidations"),
+              "l1_tracking_restarts": data["store"].get("l1_tracking_restarts"),
               "queued": data["lane"].get("queued", 0),
               "invalidation": {k: v for k, v in data["counters"].items()
                                if k not in ("store_errors", "corrupt_records")}}

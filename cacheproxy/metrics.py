@@ -196,6 +196,16 @@ class Metrics:
         self.store_entries = Gauge("cacheproxy_store_entries", "Entries in the store",
                                    registry=r)
         self.store_bytes = Gauge("cacheproxy_store_bytes", "Bytes in the store", registry=r)
+        self.l1_tracked = Gauge("cacheproxy_store_l1_tracked",
+                                "1 while Redis tracks what the tiered store's L1 holds (every "
+                                "replica's change reaches it); 0 otherwise or without an L1",
+                                registry=r)
+        self.l1_invalidations = Gauge("cacheproxy_store_l1_invalidations",
+                                      "Keys (and flushes) the store said changed, dropped from "
+                                      "the tiered store's L1", registry=r)
+        self.l1_restarts = Gauge("cacheproxy_store_l1_tracking_restarts",
+                                 "Times tracking started on a new connection (L1 emptied)",
+                                 registry=r)
         self.queue_depth = Gauge("cacheproxy_lane_queue_depth",
                                  "Generations waiting for or running on the lane", registry=r)
         self.invalidation = Gauge("cacheproxy_invalidation_events",
@@ -210,6 +220,9 @@ class Metrics:
             self.store_entries.set(gauges["entries"])
             self.store_bytes.set(gauges["bytes"])
         self.queue_depth.set(gauges.get("queued", 0))
+        self.l1_tracked.set(1 if gauges.get("l1") == "tracked" else 0)
+        self.l1_invalidations.set(gauges.get("l1_invalidations") or 0)
+        self.l1_restarts.set(gauges.get("l1_tracking_restarts") or 0)
         for event, value in gauges.get("invalidation", {}).items():
             self.invalidation.labels(event).set(value)
         return generate_latest(self.registry)

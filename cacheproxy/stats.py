@@ -25,7 +25,8 @@ async def snapshot(app: web.Application) -> dict[str, Any]:
         except BackendError as exc:
             store["error"] = str(exc)
     if isinstance(proxy.store, TieredBackend):
-        store["l1"] = proxy.store.coherence
+        store.update(l1=proxy.store.coherence, l1_invalidations=proxy.store.invalidations,
+                     l1_tracking_restarts=proxy.store.restarts)
     figures = tally.totals()
     totals = figures.by_cache
     served = sum(totals.get(status, 0) for status in ("HIT", "MISS", "COALESCED"))
