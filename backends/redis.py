@@ -14,7 +14,8 @@ GETs of a single server (redis://, rediss://, unix://) are pipelined on one conn
 their own (backends/resp.py; over TLS with the SSL context redis-py builds from the same URL):
 the hit path's only call, at a fifth of redis-py's CPU per GET. On that
 connection the server can also track the keys read and report their changes (`track`,
-backends/tracking.py), which keeps the tiered store's L1 coherent across replicas.
+backends/tracking.py; on a cluster, one broadcasting connection per primary), which keeps the
+tiered store's L1 coherent across replicas.
 
 Expiry is the server's own (SET ... PX), evictions are the server's maxmemory policy, so
 max_bytes here is whatever maxmemory says. Every key is a single-key command, so keys need
@@ -28,6 +29,7 @@ import contextlib
 import math
 import ssl
 from collections.abc import AsyncIterator, Callable, Iterable
+from functools import partial
 from types import TracebackType
 from typing import Any
 from urllib.parse import SplitResult, parse_qsl, urlencode, urlsplit, urlunsplit
@@ -42,7 +44,7 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from backends.base import PURGE_BATCH, BackendError, StoreStatsResult, expiry
 from backends.resp import Address, GetLane, LaneError
-from backends.tracking import TrackedLane
+from backends.tracking import ClusterTracking, Listener, TrackedLane
 
 DEFAULT_SOCKET_TIMEOUT = 1.0
 DEFAULT_MAX_CONNECTIONS = 64
@@ -73,9 +75,12 @@ class RedisBackend:
         max_in_flight: int = DEFAULT_MAX_CONNECTIONS,
         wait: float = 2 * DEFAULT_SOCKET_TIMEOUT,
         lane: GetLane | None = None,
+        cluster_tracking: Callable[[Listener], ClusterTracking] | None = None,
     ) -> None:
         self._client = client
         self._lane = lane  # GETs of a single server over TCP or Unix socket (see resp.py)
+        self._cluster_tracking_for = cluster_tracking  # how to track a cluster's primaries
+        self._cluster_tracking: ClusterTracking | None = None
         self._name = name
         self._wait = wait
         # Both clients' pools raise when exhausted; callers queue here instead. (redis-py's
@@ -104,27 +109,35 @@ class RedisBackend:
         return _as_bytes(value)
 
     def track(self, changed: Callable[[str | None], None], restarted: Callable[[], None]) -> bool:
-        """Invalidations for the keys get() reads (backends/tracking.py, on the GET lane);
-        False over a cluster, which has no lane."""
-        if self._lane is None:
-            return False
+        """Invalidations for the keys get_with_ttl() reads (backends/tracking.py): on the GET
+        lane of a single server; over a cluster, every key written on any primary (its
+        tracking starting anew counts as changed(None), not restarted())."""
 
         def heard(key: bytes | None) -> None:
             changed(None if key is None else key.decode("utf-8", "surrogateescape"))
 
-        lane, self._lane = self._lane, TrackedLane.like(self._lane, changed=heard,
-                                                         restarted=restarted)
-        lane.close()
-        return True
+        if self._lane is not None:
+            lane, self._lane = self._lane, TrackedLane.like(self._lane, changed=heard,
+                                                             restarted=restarted)
+            lane.close()
+            return True
+        if self._cluster_tracking_for is not None:
+            self._cluster_tracking = self._cluster_tracking_for(heard)
+            return True
+        return False
 
     @property
     def tracking(self) -> bool:
-        """Whether the server tracks what get() reads now (a tracked connection is open)."""
+        """Whether the server tracks what get_with_ttl() reads now."""
+        if self._cluster_tracking is not None:
+            return self._cluster_tracking.tracking
         return isinstance(self._lane, TrackedLane) and self._lane.tracking
 
     @property
     def tracking_refused(self) -> str | None:
         """The server's answer when it refused to track keys (Redis < 6, or an ACL)."""
+        if self._cluster_tracking is not None:
+            return self._cluster_tracking.refused
         return self._lane.refused if isinstance(self._lane, TrackedLane) else None
 
     async def get_with_ttl(self, key: str) -> tuple[bytes | None, float | None]:
@@ -137,6 +150,9 @@ class RedisBackend:
                 raise BackendError(f"{self!r}: {exc}") from exc
         else:
             async with self._guard:
+                if self._cluster_tracking is not None and isinstance(self._client, RedisCluster):
+                    self._cluster_tracking.watch(  # the primaries as the client knows them
+                        [(node.host, int(node.port)) for node in self._client.get_primaries()])
                 pipe = self._client.pipeline(transaction=False)
                 pipe.get(key)
                 pipe.pttl(key)
@@ -252,6 +268,8 @@ class RedisBackend:
         self._closed = True
         if self._lane is not None:
             self._lane.close()
+        if self._cluster_tracking is not None:
+            self._cluster_tracking.close()
         with contextlib.suppress(*_FAILURES):  # nothing left to release on a dead connection
             await self._client.aclose()
 
@@ -362,23 +380,35 @@ def open_redis(url: str) -> RedisBackend:
     }
     if parts.scheme.endswith("+cluster"):
         cluster = RedisCluster.from_url(_cluster_base(name, parts, passthrough), **common)
-        return RedisBackend(cluster, name=name, max_in_flight=max_connections, wait=wait)
+        kw = cluster.connection_kwargs
+        template = Address(username=kw.get("username"), password=kw.get("password"),
+                           tls=_tls(name, {k: v for k, v in kw.items() if k.startswith("ssl_")})
+                           if parts.scheme.startswith("rediss") else None)
+        tracking = partial(ClusterTracking, template, timeout=socket_timeout,
+                           connect_timeout=connect_timeout)
+        return RedisBackend(cluster, name=name, max_in_flight=max_connections, wait=wait,
+                            cluster_tracking=lambda heard: tracking(changed=heard))
     _check_single(name, parts)
     base = urlunsplit(parts._replace(query=urlencode(passthrough), fragment=""))
     pool = ConnectionPool.from_url(base, **common)
     kw = pool.connection_kwargs
     tls = None
-    if parts.scheme == "rediss":  # the very context redis-py's own connections would use
-        try:
-            tls = SSLConnection(**kw).ssl_context.get()
-        except (OSError, ssl.SSLError, RedisError) as exc:
-            raise ValueError(f"backend URL {name!r}: TLS set-up failed: {exc}") from None
+    if parts.scheme == "rediss":
+        tls = _tls(name, kw)
     address = Address(host=kw.get("host", "localhost"), port=int(kw.get("port", 6379)),
                       path=kw.get("path"), db=int(kw.get("db", 0) or 0),
                       username=kw.get("username"), password=kw.get("password"), tls=tls)
     lane = GetLane(address, timeout=socket_timeout, connect_timeout=connect_timeout)
     return RedisBackend(Redis.from_pool(pool), name=name, max_in_flight=max_connections,
                         wait=wait, lane=lane)
+
+
+def _tls(name: str, kwargs: dict[str, Any]) -> ssl.SSLContext:
+    """The very SSL context redis-py's own connections build from these arguments."""
+    try:
+        return SSLConnection(**kwargs).ssl_context.get()
+    except (OSError, ssl.SSLError, RedisError) as exc:
+        raise ValueError(f"backend URL {name!r}: TLS set-up failed: {exc}") from None
 
 
 def _options(name: str, parts: SplitResult) -> tuple[dict[str, float], list[tuple[str, str]]]:

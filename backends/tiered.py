@@ -12,27 +12,32 @@ keeps any entry. Reads go L1, then L2 (filling L1 for at most l1_ttl and the ent
 left in L2); writes go to L2 and drop the L1 copy (copied into L1 too where L2 cannot track,
 below); deletes and purges go to both; scan and the stats are L2's.
 
-Coherence: over a single Redis server (tiered+redis://, +rediss://, +unix://) L1 holds only
-values read from L2 on a connection the server tracks (RESP3 CLIENT TRACKING, Redis 6+,
+Coherence: over Redis (tiered+redis://, +rediss://, +unix://, +redis+cluster://) L1 holds
+only values read while the server tracks them (RESP3 CLIENT TRACKING, Redis 6+,
 backends/tracking.py): when any client changes one of those keys (writes, deletes, purges;
 or the server evicts or expires it) the server pushes an invalidation and L1 drops the key,
 a round trip after the change, in every replica; and an L1 copy never outlives the entry's
 TTL in L2 (read with it). A replica's own writes are not copied into L1 (its next read is,
-tracked). If the tracking connection breaks or goes silent (found within a heartbeat and
-three socket timeouts), L1 goes on serving what it holds for at most l1_ttl (so hot keys
-survive a Redis outage) while it reconnects in the background, and is emptied when
-tracking resumes; a server slower than socket_timeout but answering within three keeps the
-connection and L1. Redis tracks at most tracking-table-max-keys keys (default 1 M) across
-all clients, and beyond that invalidates some early: L1 then refills more often, no staler.
+tracked). On a single server the GET connection itself is tracked; on a cluster, one
+broadcasting connection per primary reports every key written there, and a primary the
+cluster client has not learned of yet (a failover, a new node) is heard from once it has
+(at its next read that meets the change; until then `coherence` is not "tracked").
 
-Over an L2 that cannot track (disk, a cluster) writes are copied into L1 too, and one
-replica's L1 is not told about another replica's delete or overwrite, nor about L2 expiring
-or evicting an entry it copied: it may serve that value for at most l1_ttl longer (and only
-while L1's LRU keeps it). So may a Redis server that refuses to track (older than 6, or an
-ACL without CLIENT: RedisBackend.tracking_refused says). For the proxy this is mostly
-harmless: a new producer means a new fingerprint namespace, which makes the old entries
-unreachable in every L1 at once; but a purge by hand reaches the other replicas' L1s only
-after l1_ttl. An L1 hit never touches L2, so a failing L2 costs only misses.
+If a tracking connection breaks or goes silent (found within a heartbeat and three socket
+timeouts), L1 goes on serving what it holds for at most l1_ttl (so hot keys survive a Redis
+outage) while it reconnects in the background, and is emptied when tracking resumes; a
+server slower than socket_timeout but answering within three keeps the connection and L1.
+Redis tracks at most tracking-table-max-keys keys (default 1 M) across all clients, and
+beyond that invalidates some early: L1 then refills more often, no staler.
+
+Over an L2 that cannot track (disk) writes are copied into L1 too, and one replica's L1 is
+not told about another replica's delete or overwrite, nor about L2 expiring or evicting an
+entry it copied: it may serve that value for at most l1_ttl longer (and only while L1's LRU
+keeps it). So may a Redis server that refuses to track (older than 6, or an ACL without
+CLIENT: RedisBackend.tracking_refused says). For the proxy this is mostly harmless: a new
+producer means a new fingerprint namespace, which makes the old entries unreachable in every
+L1 at once; but a purge by hand reaches the other replicas' L1s only after l1_ttl. An L1 hit
+never touches L2, so a failing L2 costs only misses.
 """
 
 from __future__ import annotations

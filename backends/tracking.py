@@ -16,6 +16,11 @@ to MAX_RECONNECT_DELAY) without waiting for the next GET; meanwhile changes go u
 
 A server that refuses (older than 6, or an ACL without CLIENT) leaves the lane untracked,
 its answer in `refused`.
+
+A Redis Cluster is read through redis-py's own connections, which cannot be tracked: there,
+ClusterTracking keeps one lane per primary in broadcasting mode (`CLIENT TRACKING ON BCAST`),
+which reports every key written on that primary whoever read it; any of them starting anew
+counts as a flush (reads in flight went out on other connections).
 """
 
 from __future__ import annotations
@@ -24,12 +29,14 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import hiredis
 
 from backends.resp import Address, GetLane, LaneError, _Replies, command
 
 HEARTBEAT = 0.5
+Listener = Callable[[bytes | None], None]
 DEAD_AFTER = 3  # socket timeouts without a reply before a tracked connection is given up
 FIRST_RECONNECT_DELAY = 0.05
 MAX_RECONNECT_DELAY = 2.0
@@ -39,9 +46,11 @@ class TrackedLane(GetLane):
     """A GetLane whose every connection is tracked by the server."""
 
     def __init__(self, address: Address, *, timeout: float, connect_timeout: float,
-                 changed: Callable[[bytes | None], None], restarted: Callable[[], None]) -> None:
+                 changed: Callable[[bytes | None], None], restarted: Callable[[], None],
+                 broadcast: bool = False) -> None:
         super().__init__(address, timeout=timeout, connect_timeout=connect_timeout,
                          dead_after=DEAD_AFTER)
+        self._tracking_on = (b"CLIENT", b"TRACKING", b"ON", *((b"BCAST",) if broadcast else ()))
         self._changed = changed
         self._restarted = restarted
         self.refused: str | None = None
@@ -64,6 +73,10 @@ class TrackedLane(GetLane):
             return False
         return not replies.waiting or time.monotonic() - replies.waiting[0][1] < self._timeout
 
+    def start(self) -> None:
+        """Connect in the background now, not at the first GET (and again whenever lost)."""
+        self._lost(0.0)
+
     def close(self) -> None:
         """GetLane.close, and no more heartbeats or reconnects."""
         super().close()
@@ -74,7 +87,7 @@ class TrackedLane(GetLane):
             self._reconnecting.cancel()
 
     async def _set_up(self, replies: _Replies) -> None:
-        for request in (command(b"HELLO", b"3"), command(b"CLIENT", b"TRACKING", b"ON")):
+        for request in (command(b"HELLO", b"3"), command(*self._tracking_on)):
             reply = await self._send(replies, request)
             if isinstance(reply, hiredis.ReplyError):
                 self.refused = str(reply)
@@ -118,7 +131,7 @@ class TrackedLane(GetLane):
         try:
             await self._connect()
         except Exception:  # refused, unreachable, closed: try again later (unless closed)
-            self._lost(min(2 * delay, MAX_RECONNECT_DELAY))
+            self._lost(min(max(2 * delay, FIRST_RECONNECT_DELAY), MAX_RECONNECT_DELAY))
         finally:
             self._reconnecting = None
 
@@ -138,3 +151,51 @@ def _ignore(future: asyncio.Future[object]) -> None:
     """Retrieve a ping's outcome: a failure is the connection's, handled there."""
     with contextlib.suppress(asyncio.CancelledError, LaneError):
         future.result()
+
+
+class ClusterTracking:
+    """Broadcast-mode tracked lanes, one per primary of a Redis Cluster, kept in step with the
+    primaries the cluster client knows (`watch`)."""
+
+    def __init__(self, template: Address, *, timeout: float, connect_timeout: float,
+                 changed: Callable[[bytes | None], None]) -> None:
+        self._template = template  # credentials and TLS; host and port come per primary
+        self._timeout, self._connect_timeout = timeout, connect_timeout
+        self._changed = changed
+        self._lanes: dict[tuple[str, int], TrackedLane] = {}
+        self._closed = False
+
+    @property
+    def tracking(self) -> bool:
+        """Whether every primary's lane is tracked and answering."""
+        return bool(self._lanes) and all(lane.tracking for lane in self._lanes.values())
+
+    @property
+    def refused(self) -> str | None:
+        """A primary's answer when it refused to track."""
+        return next((lane.refused for lane in self._lanes.values() if lane.refused), None)
+
+    def watch(self, primaries: list[tuple[str, int]]) -> None:
+        """Open lanes to new primaries and close those to primaries gone (needs a loop)."""
+        if self._closed:
+            return
+        wanted = set(primaries)
+        for node in [node for node in self._lanes if node not in wanted]:
+            self._lanes.pop(node).close()
+        for host, port in wanted - set(self._lanes):
+            lane = TrackedLane(replace(self._template, host=host, port=port),
+                               timeout=self._timeout, connect_timeout=self._connect_timeout,
+                               changed=self._changed, restarted=self._restarted,
+                               broadcast=True)
+            self._lanes[(host, port)] = lane
+            lane.start()
+
+    def close(self) -> None:
+        """Close every lane."""
+        self._closed = True
+        for lane in self._lanes.values():
+            lane.close()
+        self._lanes.clear()
+
+    def _restarted(self) -> None:
+        self._changed(None)  # what was read meanwhile, on other connections, is in doubt

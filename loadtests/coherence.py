@@ -10,7 +10,7 @@ acknowledgement to sending the first request B did not answer from its copy.
 
 Baseline, in the same run: the same two replicas on a Redis user without the CLIENT command
 (the server refuses tracking), with an L1 life of 2 s: what a tiered store that cannot track
-does (over a cluster, TLS or disk), where only l1_ttl ends a stale copy.
+does (over disk), where only l1_ttl ends a stale copy.
 
     python loadtests/coherence.py                      # 100 rounds, baseline 5
     python loadtests/coherence.py --smoke --out /tmp/c # 5 rounds, baseline 1

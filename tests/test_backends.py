@@ -81,6 +81,7 @@ KINDS = [
     Kind("redis", frozenset()),
     Kind("redis-cluster", frozenset()),
     Kind("tiered-redis", frozenset({"peek"})),
+    Kind("tiered-redis-cluster", frozenset({"peek"})),
     Kind("redis-tls", frozenset()),
     Kind("tiered-redis-tls", frozenset({"peek"})),
 ]
@@ -112,6 +113,7 @@ def _store_url(kind: Kind, request: pytest.FixtureRequest, tmp_path: Path) -> st
         "redis": lambda: request.getfixturevalue("redis_url"),
         "redis-cluster": lambda: request.getfixturevalue("redis_cluster_url"),
         "tiered-redis": lambda: "tiered+" + request.getfixturevalue("redis_url"),
+        "tiered-redis-cluster": lambda: "tiered+" + request.getfixturevalue("redis_cluster_url"),
         "redis-tls": lambda: request.getfixturevalue("redis_tls_url"),
         "tiered-redis-tls": lambda: "tiered+" + request.getfixturevalue("redis_tls_url"),
     }

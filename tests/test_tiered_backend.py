@@ -6,8 +6,10 @@ The byte-level contract itself runs in tests/test_backends.py (tiered over disk 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 import redis
@@ -15,7 +17,7 @@ import redis
 from backends import BackendError, MemoryBackend, TieredBackend, open_backend
 from backends.redis import open_redis
 from tests.conftest_redis import StartServer
-from tests.redis_servers import RedisServer
+from tests.redis_servers import RedisClusterNodes, RedisServer
 from tests.test_backends import FakeClock
 
 
@@ -385,21 +387,76 @@ async def test_a_server_refusing_to_track_leaves_l1_bounded_by_l1_ttl(
         await store.aclose()
 
 
-async def test_only_a_tiered_store_over_one_server_tracks(
-    start_redis: StartServer, redis_cluster_url: str
+async def test_only_a_tiered_store_asks_for_invalidations(
+    start_redis: StartServer, tmp_path: Path
 ) -> None:
     server = start_redis()
     plain = open_backend(server.url + "/0")
-    cluster = open_backend(f"tiered+{redis_cluster_url}")
-    assert isinstance(cluster, TieredBackend)
+    disk = open_backend(f"tiered+disk://{tmp_path}")
+    assert isinstance(disk, TieredBackend)
     try:
         assert await plain.get("k") is None
         assert tracking_clients(server) == []  # the plain store asks for no invalidations
-        assert not cluster.coherent  # a cluster: bounded by l1_ttl, as the docstring says
-        assert cluster.coherence.startswith("bounded by l1_ttl (RedisBackend(")
+        assert not disk.coherent  # a disk: bounded by l1_ttl, as the docstring says
+        assert disk.coherence.startswith("bounded by l1_ttl (DiskBackend(")
     finally:
         await plain.aclose()
-        await cluster.aclose()
+        await disk.aclose()
+
+
+async def test_over_a_cluster_a_change_on_any_primary_reaches_the_other_l1(
+    redis_cluster_url: str, redis_cluster: RedisClusterNodes
+) -> None:
+    ours = open_backend(f"tiered+{redis_cluster_url}?l1_ttl=3600")
+    theirs = open_backend(f"tiered+{redis_cluster_url}?l1_ttl=3600")
+    assert isinstance(ours, TieredBackend) and isinstance(theirs, TieredBackend)
+    keys = [f"ns/{i}" for i in range(30)]  # spread over the three primaries' slots
+    try:
+        for key in keys:
+            await theirs.set(key, b"old")
+        assert await ours.get("ns/warm-up") is None  # opens a tracked lane per primary
+        await eventually(lambda: ours.coherence == "tracked")
+        assert [await ours.get(key) for key in keys] == [b"old"] * 30
+        assert all(ours.peek(key) == b"old" for key in keys)
+        for key in keys[:10]:
+            await theirs.set(key, b"new")
+        for key in keys[10:20]:
+            assert await theirs.delete(key)
+        for server in redis_cluster.servers:  # another client, on every primary
+            with server.client() as raw:
+                for key in keys[20:]:
+                    with contextlib.suppress(redis.ResponseError):  # MOVED: not this one's
+                        raw.set(key, b"raw")
+        await eventually(lambda: all(ours.peek(key) is None for key in keys))
+        assert [await ours.get(key) for key in keys] == \
+            [b"new"] * 10 + [None] * 10 + [b"raw"] * 10
+    finally:
+        await ours.aclose()
+        await theirs.aclose()
+
+
+async def test_over_a_cluster_a_primary_tracking_anew_empties_l1(
+    redis_cluster_url: str, redis_cluster: RedisClusterNodes
+) -> None:
+    store = open_backend(f"tiered+{redis_cluster_url}?l1_ttl=3600")
+    assert isinstance(store, TieredBackend)
+    try:
+        await store.set("ns/k", b"v")
+        assert await store.get("ns/k") == b"v"
+        await eventually(lambda: store.coherence == "tracked")
+        assert await store.get("ns/k") == b"v" and store.peek("ns/k") == b"v"
+        server = redis_cluster.servers[1]
+        [tracked] = tracking_clients(server)
+        with server.client() as raw:
+            raw.client_kill_filter(_id=tracked)
+        # Changes on that primary went unheard meanwhile: L1 lets go of everything.
+        await eventually(lambda: store.peek("ns/k") is None)
+        await eventually(lambda: store.coherence == "tracked")
+        assert tracking_clients(server) not in ([], [tracked])
+    finally:
+        await store.aclose()
+    await asyncio.sleep(0.2)
+    assert all(tracking_clients(server) == [] for server in redis_cluster.servers)
 
 
 class Blackhole:
