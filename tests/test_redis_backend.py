@@ -473,6 +473,7 @@ class TestTls:
             await unchecked.aclose()
 
     async def test_a_missing_ca_file_is_a_bad_url(self, redis_tls_server: TlsServer) -> None:
-        with pytest.raises(ValueError, match="TLS set-up failed"):
-            open_redis(f"rediss://127.0.0.1:{redis_tls_server.tls_port}/1"
-                       "?ssl_ca_certs=/nonexistent/ca.pem")
+        for scheme in ("rediss", "rediss+cluster"):  # a mistake told at start, not per GET
+            with pytest.raises(ValueError, match="TLS set-up failed"):
+                open_redis(f"{scheme}://127.0.0.1:{redis_tls_server.tls_port}"
+                           "?ssl_ca_certs=/nonexistent/ca.pem")
