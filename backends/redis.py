@@ -75,7 +75,7 @@ class RedisBackend:
         max_in_flight: int = DEFAULT_MAX_CONNECTIONS,
         wait: float = 2 * DEFAULT_SOCKET_TIMEOUT,
         lane: GetLane | None = None,
-        cluster_tracking: Callable[[Listener], ClusterTracking] | None = None,
+        cluster_tracking: Callable[[Listener, Callable[[], None]], ClusterTracking] | None = None,
     ) -> None:
         self._client = client
         self._lane = lane  # GETs of a single server over TCP or Unix socket (see resp.py)
@@ -122,9 +122,17 @@ class RedisBackend:
             lane.close()
             return True
         if self._cluster_tracking_for is not None:
-            self._cluster_tracking = self._cluster_tracking_for(heard)
+            if self._cluster_tracking is not None:
+                self._cluster_tracking.close()
+            self._cluster_tracking = self._cluster_tracking_for(heard, restarted)
             return True
         return False
+
+    def _watch_primaries(self) -> None:
+        """Keep a tracked lane to every primary the cluster client knows now."""
+        if self._cluster_tracking is not None and isinstance(self._client, RedisCluster):
+            self._cluster_tracking.watch(
+                [(node.host, int(node.port)) for node in self._client.get_primaries()])
 
     @property
     def tracking(self) -> bool:
@@ -150,13 +158,14 @@ class RedisBackend:
                 raise BackendError(f"{self!r}: {exc}") from exc
         else:
             async with self._guard:
-                if self._cluster_tracking is not None and isinstance(self._client, RedisCluster):
-                    self._cluster_tracking.watch(  # the primaries as the client knows them
-                        [(node.host, int(node.port)) for node in self._client.get_primaries()])
+                self._watch_primaries()
                 pipe = self._client.pipeline(transaction=False)
                 pipe.get(key)
                 pipe.pttl(key)
-                raw, pttl = await pipe.execute()
+                try:
+                    raw, pttl = await pipe.execute()
+                finally:  # a primary learned during the read (MOVED) is tracked from now on
+                    self._watch_primaries()
             value = _as_bytes(raw)
         if value is None or pttl == -1:
             return value, None
@@ -387,7 +396,8 @@ def open_redis(url: str) -> RedisBackend:
         tracking = partial(ClusterTracking, template, timeout=socket_timeout,
                            connect_timeout=connect_timeout)
         return RedisBackend(cluster, name=name, max_in_flight=max_connections, wait=wait,
-                            cluster_tracking=lambda heard: tracking(changed=heard))
+                            cluster_tracking=lambda heard, restarted: tracking(
+                                changed=heard, restarted=restarted))
     _check_single(name, parts)
     base = urlunsplit(parts._replace(query=urlencode(passthrough), fragment=""))
     pool = ConnectionPool.from_url(base, **common)

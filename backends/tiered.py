@@ -20,15 +20,15 @@ a round trip after the change, in every replica; and an L1 copy never outlives t
 TTL in L2 (read with it). A replica's own writes are not copied into L1 (its next read is,
 tracked). On a single server the GET connection itself is tracked; on a cluster, one
 broadcasting connection per primary reports every key written there, and a primary the
-cluster client has not learned of yet (a failover, a new node) is heard from once it has
-(at its next read that meets the change; until then `coherence` is not "tracked").
+cluster client has not learned of yet (a failover, a new node) is heard from once it has (at
+its next read that meets the change, which then empties L1 as the new lane starts).
 
 If a tracking connection breaks or goes silent (found within a heartbeat and three socket
 timeouts), L1 goes on serving what it holds for at most l1_ttl (so hot keys survive a Redis
 outage) while it reconnects in the background, and is emptied when tracking resumes; a
 server slower than socket_timeout but answering within three keeps the connection and L1.
-Redis tracks at most tracking-table-max-keys keys (default 1 M) across all clients, and
-beyond that invalidates some early: L1 then refills more often, no staler.
+A single server tracks at most tracking-table-max-keys keys (default 1 M) across all
+clients, and beyond that invalidates some early: L1 then refills more often, no staler.
 
 Over an L2 that cannot track (disk) writes are copied into L1 too, and one replica's L1 is
 not told about another replica's delete or overwrite, nor about L2 expiring or evicting an

@@ -19,8 +19,11 @@ its answer in `refused`.
 
 A Redis Cluster is read through redis-py's own connections, which cannot be tracked: there,
 ClusterTracking keeps one lane per primary in broadcasting mode (`CLIENT TRACKING ON BCAST`),
-which reports every key written on that primary whoever read it; any of them starting anew
-counts as a flush (reads in flight went out on other connections).
+which reports every key written on that primary whoever read it (leases and other
+applications' keys too: a few pushes per generation); any of them starting anew counts as a
+flush too (reads in flight went out on other connections). The lanes open at the first read.
+A read sent by ASK to a node that owns no slot yet (a migration in progress) is not tracked
+until that node is a primary the cluster client knows.
 """
 
 from __future__ import annotations
@@ -158,10 +161,11 @@ class ClusterTracking:
     primaries the cluster client knows (`watch`)."""
 
     def __init__(self, template: Address, *, timeout: float, connect_timeout: float,
-                 changed: Callable[[bytes | None], None]) -> None:
+                 changed: Callable[[bytes | None], None], restarted: Callable[[], None]) -> None:
         self._template = template  # credentials and TLS; host and port come per primary
         self._timeout, self._connect_timeout = timeout, connect_timeout
         self._changed = changed
+        self._on_restart = restarted
         self._lanes: dict[tuple[str, int], TrackedLane] = {}
         self._closed = False
 
@@ -198,4 +202,5 @@ class ClusterTracking:
         self._lanes.clear()
 
     def _restarted(self) -> None:
+        self._on_restart()
         self._changed(None)  # what was read meanwhile, on other connections, is in doubt

@@ -202,7 +202,8 @@ class Metrics:
                                 registry=r)
         self.l1_invalidations = Gauge("cacheproxy_store_l1_invalidations",
                                       "Keys (and flushes) the store said changed, dropped from "
-                                      "the tiered store's L1", registry=r)
+                                      "the tiered store's L1 (on a cluster: every key written "
+                                      "there)", registry=r)
         self.l1_restarts = Gauge("cacheproxy_store_l1_tracking_restarts",
                                  "Times tracking started on a new connection (L1 emptied)",
                                  registry=r)

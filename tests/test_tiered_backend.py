@@ -17,8 +17,14 @@ import redis
 from backends import BackendError, MemoryBackend, TieredBackend, open_backend
 from backends.redis import open_redis
 from tests.conftest_redis import StartServer
-from tests.redis_servers import RedisClusterNodes, RedisServer
-from tests.test_backends import FakeClock
+from tests.redis_servers import (
+    RedisClusterNodes,
+    RedisServer,
+    _cluster_ok,
+    free_port,
+    start_cluster,
+)
+from tests.test_backends import FakeClock, settled
 
 
 class ProbedStore(MemoryBackend):
@@ -446,6 +452,7 @@ async def test_over_a_cluster_a_primary_tracking_anew_empties_l1(
         await eventually(lambda: store.coherence == "tracked")
         assert await store.get("ns/k") == b"v" and store.peek("ns/k") == b"v"
         server = redis_cluster.servers[1]
+        await eventually(lambda: len(tracking_clients(server)) == 1)  # earlier tests' gone
         [tracked] = tracking_clients(server)
         with server.client() as raw:
             raw.client_kill_filter(_id=tracked)
@@ -455,8 +462,7 @@ async def test_over_a_cluster_a_primary_tracking_anew_empties_l1(
         assert tracking_clients(server) not in ([], [tracked])
     finally:
         await store.aclose()
-    await asyncio.sleep(0.2)
-    assert all(tracking_clients(server) == [] for server in redis_cluster.servers)
+    await eventually(lambda: all(tracking_clients(s) == [] for s in redis_cluster.servers))
 
 
 class Blackhole:
@@ -617,3 +623,51 @@ async def test_over_tls_a_change_reaches_the_other_l1(redis_tls_url: str) -> Non
     finally:
         await ours.aclose()
         await theirs.aclose()
+
+
+async def test_over_a_cluster_a_primary_met_through_moved_is_tracked(
+    redis_binary: str, tmp_path: Path
+) -> None:
+    cluster = start_cluster(redis_binary, tmp_path, primaries=1)
+    old_primary = cluster.servers[0]
+    port = free_port(with_bus=True)
+    new_primary = RedisServer(redis_binary, port, tmp_path, (
+        "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"))
+    cluster.servers.append(new_primary)
+    ours = theirs = None
+    try:
+        new_primary.start()
+        with old_primary.client() as raw:
+            raw.execute_command("CLUSTER", "MEET", "127.0.0.1", port)
+        deadline = time.monotonic() + 20
+        while not all(_cluster_ok(server, 2) for server in cluster.servers):
+            assert time.monotonic() < deadline, "the second node never joined"
+            await asyncio.sleep(0.1)
+        ours = open_backend(f"tiered+{cluster.url}?l1_ttl=3600")
+        theirs = open_backend(f"tiered+{cluster.url}?l1_ttl=3600")
+        assert isinstance(ours, TieredBackend)
+        await theirs.set("ns/k", b"old")
+        await settled(ours)
+        assert await ours.get("ns/k") == b"old"
+        with old_primary.client() as source, new_primary.client() as target:  # reshard
+            slot = source.execute_command("CLUSTER", "KEYSLOT", "ns/k")
+            source_id = source.execute_command("CLUSTER", "MYID").decode()
+            target_id = target.execute_command("CLUSTER", "MYID").decode()
+            target.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+            source.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+            source.execute_command("MIGRATE", "127.0.0.1", port, "ns/k", 0, 5000)
+            for node in (target, source):
+                node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        await eventually(lambda: ours.peek("ns/k") is None)  # gone from the old primary
+        assert await ours.get("ns/k") == b"old"  # read through MOVED from the new primary...
+        await eventually(lambda: ours.coherence == "tracked")  # ...which is tracked now
+        assert await ours.get("ns/k") == b"old" and ours.peek("ns/k") == b"old"
+        await theirs.set("ns/k", b"new")
+        await eventually(lambda: ours.peek("ns/k") is None)
+        assert await ours.get("ns/k") == b"new"
+    finally:
+        for store in (ours, theirs):
+            if store is not None:
+                await store.aclose()
+        for server in cluster.servers:
+            server.stop()
