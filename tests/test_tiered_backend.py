@@ -527,14 +527,14 @@ async def test_a_silent_connection_is_found_and_tracking_resumes(
 async def test_a_tracked_connection_outlives_the_servers_idle_timeout(
     start_redis: StartServer,
 ) -> None:
-    server = start_redis("--timeout", "1")
+    server = start_redis("--timeout", "2")
     store = open_backend(f"tiered+{server.url}/0?l1_ttl=3600")
     assert isinstance(store, TieredBackend)
     try:
         await store.set("ns/k", b"v")
         assert await store.get("ns/k") == b"v"
         [tracked] = tracking_clients(server)
-        await asyncio.sleep(2.5)  # hits answered from L1 only: the lane is otherwise idle
+        await asyncio.sleep(3.5)  # hits answered from L1 only: the lane is otherwise idle
         assert tracking_clients(server) == [tracked] and store.peek("ns/k") == b"v"
     finally:
         await store.aclose()
@@ -544,23 +544,25 @@ async def test_a_server_stalled_for_less_than_three_timeouts_keeps_l1(
     start_redis: StartServer,
 ) -> None:
     server = start_redis("--enable-debug-command", "yes")
-    store = open_backend(f"tiered+{server.url}/0?l1_ttl=3600&socket_timeout=0.3")
+    store = open_backend(f"tiered+{server.url}/0?l1_ttl=3600&socket_timeout=0.5")
     assert isinstance(store, TieredBackend)
     try:
         await store.set("ns/hot", b"v")
         assert await store.get("ns/hot") == b"v"
         [tracked] = tracking_clients(server)
         with server.client() as raw:
+            # Timeline (s): the server sleeps from ~0 to 1.5; the first GET goes at 0.2 and
+            # times out at 0.7, the second at 1.2; the connection would be given up at 1.7.
             stall = asyncio.create_task(asyncio.to_thread(raw.execute_command,
-                                                          "DEBUG", "SLEEP", "0.8"))
-            await asyncio.sleep(0.05)
+                                                          "DEBUG", "SLEEP", "1.5"))
+            await asyncio.sleep(0.2)
             with pytest.raises(BackendError, match="Timeout"):
                 await store.get("ns/cold")  # this caller waited its socket_timeout...
             assert store.coherence.startswith("connecting")  # (a reply is late)
             started = time.monotonic()
             with pytest.raises(BackendError, match="Timeout"):
                 await store.get("ns/cold")  # a second caller waits its own, no longer
-            assert time.monotonic() - started < 0.45
+            assert time.monotonic() - started < 0.8
             await stall
         assert await store.get("ns/cold") is None  # ...the connection did not need to go
         assert tracking_clients(server) == [tracked] and store.peek("ns/hot") == b"v"
