@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,6 +26,15 @@ from cacheproxy.state import PROXY
 
 pytest_plugins = ["tests.conftest_redis"]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+async def eventually(check: Callable[[], bool], within: float = 2.0,
+                     every: float = 0.005) -> None:
+    """Poll check() every `every` seconds until it holds; AssertionError after `within`."""
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, f"condition not reached within {within:g} s"
+        await asyncio.sleep(every)
 
 
 def free_port() -> int:

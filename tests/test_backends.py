@@ -37,6 +37,7 @@ from backends import (
 )
 from backends.base import PURGE_BATCH, NamespaceStats, Peek, Scan
 from backends.disk import DB_FILENAME
+from tests.conftest import eventually
 
 OpenStore = Callable[..., Backend]
 _F = TypeVar("_F", bound=Callable[..., object])
@@ -151,10 +152,7 @@ async def settled(store: TieredBackend) -> None:
     """Until the store's tracking is up: a read while it starts is (rightly) not kept in L1
     on a cluster, whose tracked connections starting anew empty L1 and drop fills in flight."""
     assert await store.get("warm-up") is None
-    deadline = time.monotonic() + 5
-    while store.coherence != "tracked":
-        assert time.monotonic() < deadline, store.coherence
-        await asyncio.sleep(0.01)
+    await eventually(lambda: store.coherence == "tracked", within=5, every=0.01)
 
 
 async def elapse(kind: Kind, clock: FakeClock, ticks: float) -> None:

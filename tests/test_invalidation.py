@@ -6,7 +6,7 @@ import asyncio
 import gc
 import shutil
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -20,7 +20,7 @@ from cacheproxy.namespaces import Registry
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
 from cacheproxy.state import INVALIDATOR
 from policies.invalidation import InvalidationPolicy
-from tests.conftest import Proxy, ProxyFactory
+from tests.conftest import Proxy, ProxyFactory, eventually
 
 BODY = {"prompt": "The fox", "max_tokens": 16}
 
@@ -54,15 +54,6 @@ async def _complete(proxy: Proxy) -> tuple[int, dict[str, str], dict[str, object
         return resp.status, dict(resp.headers), await resp.json()
 
 
-async def _until(predicate: Callable[[], bool]) -> None:
-    try:
-        async with asyncio.timeout(20):
-            while not predicate():  # noqa: ASYNC110 - polls what the code exposes
-                await asyncio.sleep(0.05)
-    except TimeoutError:
-        raise AssertionError("condition not reached within 20 s") from None
-
-
 async def _namespace_entries(proxy: Proxy, digest: str) -> int:
     assert isinstance(proxy.store, NamespaceStats)
     return (await proxy.store.namespace_stats(digest))[0]
@@ -83,7 +74,7 @@ async def test_quant_file_replaced_while_serving(
 
     for name in ("config.json", "model.safetensors"):  # the 8-bit files replace the 4-bit ones
         shutil.copy2(quantized[8] / name, served / name)
-    await _until(lambda: runner.fingerprint().digest != old)
+    await eventually(lambda: runner.fingerprint().digest != old, within=20, every=0.05)
 
     status, h2, body2 = await _complete(proxy)
     new = h2["X-Cache-Fingerprint"]
@@ -160,13 +151,13 @@ async def test_half_written_file_is_not_loaded_and_a_corrupt_one_keeps_the_old_m
             await asyncio.sleep(0.05)
             assert invalidator.counters["reload_failures"] == 0
             assert runner.reloads == 0, "a half-written file was loaded"
-    await _until(lambda: runner.reloads == 1)
+    await eventually(lambda: runner.reloads == 1, within=20, every=0.05)
     second = runner.fingerprint().digest
     assert second != first and invalidator.counters["reload_failures"] == 0
 
     # Now a complete but corrupt weight file: the load fails, the 8-bit model keeps serving.
     (served / "model.safetensors").write_bytes(b"\x00garbage" * 4096)
-    await _until(lambda: invalidator.counters["reload_failures"] == 1)
+    await eventually(lambda: invalidator.counters["reload_failures"] == 1, within=20, every=0.05)
     assert runner.fingerprint().digest == second
     status, headers, body = await _complete(proxy)
     assert status == 200 and headers["X-Cache-Fingerprint"] == second and body["choices"]

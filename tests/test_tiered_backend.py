@@ -16,6 +16,7 @@ import redis
 
 from backends import BackendError, MemoryBackend, TieredBackend, open_backend
 from backends.redis import open_redis
+from tests.conftest import eventually
 from tests.conftest_redis import StartServer
 from tests.redis_servers import (
     RedisClusterNodes,
@@ -187,13 +188,6 @@ class TrackingStore(ProbedStore):
 
     async def get_with_ttl(self, key: str) -> tuple[bytes | None, float | None]:
         return await self.get(key), None
-
-
-async def eventually(check: Callable[[], bool], within: float = 2.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        assert time.monotonic() < deadline, f"not within {within}s"
-        await asyncio.sleep(0.005)
 
 
 def tracking_clients(server: RedisServer) -> list[int]:
