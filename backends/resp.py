@@ -150,7 +150,8 @@ class GetLane:
 
     async def get_with_pttl(self, key: str) -> tuple[bytes | None, int]:
         """GET and PTTL in one write: the value and its milliseconds to live (-1: none,
-        -2: no key); retried as get() is."""
+        -2: no key); retried as get() is. (get() keeps its own copy of the loop: folding both
+        into one helper cost the hit path's GET ~1 µs of its ~10 here.)"""
         name = key.encode()
         for attempt in (1, 2):
             replies = self._replies

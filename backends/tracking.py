@@ -49,7 +49,7 @@ class TrackedLane(GetLane):
     """A GetLane whose every connection is tracked by the server."""
 
     def __init__(self, address: Address, *, timeout: float, connect_timeout: float,
-                 changed: Callable[[bytes | None], None], restarted: Callable[[], None],
+                 changed: Listener, restarted: Callable[[], None],
                  broadcast: bool = False) -> None:
         super().__init__(address, timeout=timeout, connect_timeout=connect_timeout,
                          dead_after=DEAD_AFTER)
@@ -61,7 +61,7 @@ class TrackedLane(GetLane):
         self._reconnecting: asyncio.Task[None] | None = None
 
     @classmethod
-    def like(cls, lane: GetLane, *, changed: Callable[[bytes | None], None],
+    def like(cls, lane: GetLane, *, changed: Listener,
              restarted: Callable[[], None]) -> TrackedLane:
         """A tracked lane to the same server, with the same deadlines."""
         return cls(lane._address, timeout=lane._timeout, connect_timeout=lane._connect_timeout,
@@ -161,7 +161,7 @@ class ClusterTracking:
     primaries the cluster client knows (`watch`)."""
 
     def __init__(self, template: Address, *, timeout: float, connect_timeout: float,
-                 changed: Callable[[bytes | None], None], restarted: Callable[[], None]) -> None:
+                 changed: Listener, restarted: Callable[[], None]) -> None:
         self._template = template  # credentials and TLS; host and port come per primary
         self._timeout, self._connect_timeout = timeout, connect_timeout
         self._changed = changed
