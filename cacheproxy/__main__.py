@@ -1,5 +1,5 @@
 """`python -m cacheproxy`."""
 
-from cacheproxy.cli import main
+from cacheproxy.cli.main import main
 
 raise SystemExit(main())

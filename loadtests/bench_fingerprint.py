@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cacheproxy.digests import DigestMemo, hash_file
+from cacheproxy.keys.digests import DigestMemo, hash_file
 
 
 def main() -> None:

@@ -124,7 +124,7 @@ def bodies(i: int, max_tokens: int, no_eos: dict[str, float], stream: bool
            ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Turn i: the body the proxy would send upstream (for direct and relayed requests),
     and a client body for the proxy."""
-    from cacheproxy.canonical import RunnerDefaults, parse
+    from cacheproxy.keys.canonical import RunnerDefaults, parse
     from cacheproxy.runners.upstream_wire import request_body
     from policies.sampling import SamplingMode
 
@@ -200,7 +200,7 @@ def row(mode: str, seconds: dict[str, list[float]]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Start the servers, measure, stop them."""
-    from cacheproxy.demo_model import BUNDLED_MODEL, write_copy
+    from cacheproxy.runners.demo.model import BUNDLED_MODEL, write_copy
 
     eos = json.loads((BUNDLED_MODEL / "config.json").read_text())["eos_token_id"]
     no_eos = {str(t): -100.0 for t in eos}

@@ -61,7 +61,8 @@ from common import (
     table,
 )
 
-EOS = json.loads((Path(__file__).resolve().parents[1] / "cacheproxy/data/demo-model/config.json")
+EOS = json.loads((Path(__file__).resolve().parents[1]
+                  / "cacheproxy/runners/demo/data/demo-model/config.json")
                  .read_text())["eos_token_id"]
 NO_EOS = {str(t): -100 for t in EOS}  # generations run to max_tokens
 

@@ -18,11 +18,11 @@ from aiohttp.test_utils import TestServer
 
 from backends import open_backend
 from backends.base import Backend, NamespaceStats
-from cacheproxy.app import create_app
-from cacheproxy.demo_model import BUNDLED_MODEL
+from cacheproxy.cli.settings import DEMO_MODEL_ID, Settings
+from cacheproxy.edge.app import create_app
+from cacheproxy.edge.state import PROXY
+from cacheproxy.runners.demo.model import BUNDLED_MODEL
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
-from cacheproxy.settings import DEMO_MODEL_ID, Settings
-from cacheproxy.state import PROXY
 
 pytest_plugins = ["tests.conftest_redis"]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

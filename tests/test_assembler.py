@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cacheproxy import demo_model
-from cacheproxy.codec import Chunk, TokenLogprob
+from cacheproxy.keys.codec import Chunk, TokenLogprob
 from cacheproxy.runners.assembler import Assembler
+from cacheproxy.runners.demo import model as demo_model
 
 FOX = "🦊"
 UNICODE = "héllo 🦊 wörld — ünïcode ✓"

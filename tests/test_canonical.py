@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cacheproxy.canonical import (
+from cacheproxy.errors import InvalidRequest, ModelNotFound, ProxyError, Unsupported
+from cacheproxy.keys.canonical import (
     CanonicalRequest,
     Delivery,
     Endpoint,
@@ -18,7 +19,6 @@ from cacheproxy.canonical import (
     RunnerDefaults,
     parse,
 )
-from cacheproxy.errors import InvalidRequest, ModelNotFound, ProxyError, Unsupported
 from policies.sampling import GREEDY, Sampling, SamplingMode
 
 DEFAULTS = RunnerDefaults(

@@ -17,8 +17,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from cacheproxy import fingerprint as fp
-from cacheproxy.demo_model import BUNDLED_MODEL
+from cacheproxy.keys import fingerprint as fp
+from cacheproxy.runners.demo.model import BUNDLED_MODEL
 from tests.conftest import free_port
 
 CLI = [sys.executable, "-m", "cacheproxy"]
@@ -78,13 +78,14 @@ def test_restart_with_disk_store_first_request_is_a_hit(tmp_path: Path) -> None:
 def test_default_store_is_on_disk_under_the_user_cache_dir(tmp_path: Path) -> None:
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     out = subprocess.run(
-        [sys.executable, "-c", "from cacheproxy.settings import Settings; print(Settings().store)"],
+        [sys.executable, "-c",
+         "from cacheproxy.cli.settings import Settings; print(Settings().store)"],
         env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == f"disk://{tmp_path}/cache/cacheproxy/store"
 
 
 def test_env_setting_and_flag_precedence() -> None:
-    from cacheproxy.settings import build_settings
+    from cacheproxy.cli.settings import build_settings
 
     env = {"CACHEPROXY_PORT": "9000", "CACHEPROXY_SAMPLING": "seeded"}
     assert build_settings({}, env).port == 9000
@@ -267,7 +268,7 @@ def test_a_hard_limit_that_cannot_be_raised_again_leaves_the_soft_one_under_it(
     """Fake: a process without privileges cannot raise a hard limit; root (these tests) can."""
     import resource
 
-    from cacheproxy import cli
+    from cacheproxy.cli import main as cli
 
     calls: list[tuple[int, int]] = []
 

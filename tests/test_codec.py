@@ -10,7 +10,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cacheproxy.codec import (
+from cacheproxy.keys.codec import (
     MAGIC,
     RECORD_VERSION,
     Chunk,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from cacheproxy.cli import _parser
+from cacheproxy.cli.main import _parser
 
 ROOT = Path(__file__).parent.parent
 

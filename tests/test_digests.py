@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cacheproxy import fingerprint as fp
-from cacheproxy.demo_model import write_copy
-from cacheproxy.digests import DigestMemo, hash_file
+from cacheproxy.keys import fingerprint as fp
+from cacheproxy.keys.digests import DigestMemo, hash_file
+from cacheproxy.runners.demo.model import write_copy
 
 
 def test_memo_hashes_a_file_once_per_version(tmp_path: Path) -> None:

@@ -13,11 +13,11 @@ import aiohttp
 from backends import open_backend, redact_url
 from backends.base import DistributedLock
 from backends.memory import MemoryBackend
-from cacheproxy import fingerprint as fp
-from cacheproxy.demo_model import BUNDLED_MODEL, write_copy
-from cacheproxy.namespaces import Registry
+from cacheproxy.edge.state import PROXY
+from cacheproxy.keys import fingerprint as fp
+from cacheproxy.runners.demo.model import BUNDLED_MODEL, write_copy
 from cacheproxy.runners.mlx import MlxRunner
-from cacheproxy.state import PROXY
+from cacheproxy.service.namespaces import Registry
 from policies.sampling import SamplingMode
 from tests.conftest import ProxyFactory
 from tests.test_operability import _metrics, _post
@@ -103,7 +103,7 @@ async def test_a_client_leaving_mid_stream_is_not_a_server_error(
 
 
 def test_hot_memos_are_bounded_by_bytes_too() -> None:
-    from cacheproxy.hot import LRU
+    from cacheproxy.service.memos import LRU
 
     lru: LRU[str, bytes] = LRU(100, max_bytes=1000)
     for i in range(10):
@@ -115,7 +115,7 @@ def test_hot_memos_are_bounded_by_bytes_too() -> None:
 
 
 async def test_a_waiting_replica_is_woken_by_the_release(redis_url: str) -> None:
-    from cacheproxy.fleet import Fleet, Lease
+    from cacheproxy.service.fleet import Fleet, Lease
 
     owner_store, waiter_store = open_backend(redis_url), open_backend(redis_url)
     assert isinstance(owner_store, DistributedLock) and isinstance(waiter_store, DistributedLock)
@@ -140,7 +140,7 @@ async def test_a_waiting_replica_is_woken_by_the_release(redis_url: str) -> None
 
 
 def test_breaker_probe_is_freed_when_the_probing_call_is_abandoned() -> None:
-    from cacheproxy.breaker import Breaker, StoreUnavailable
+    from cacheproxy.service.breaker import Breaker, StoreUnavailable
 
     now = [0.0]
     breaker = Breaker(cooldown=1.0, clock=lambda: now[0])
@@ -160,7 +160,7 @@ def test_breaker_probe_is_freed_when_the_probing_call_is_abandoned() -> None:
 
 
 async def test_a_follower_stops_waiting_after_the_generation_timeout(redis_url: str) -> None:
-    from cacheproxy.fleet import Fleet, Lease
+    from cacheproxy.service.fleet import Fleet, Lease
 
     store = open_backend(redis_url)
     assert isinstance(store, DistributedLock)
@@ -182,8 +182,8 @@ async def test_a_follower_stops_waiting_after_the_generation_timeout(redis_url: 
 async def test_admin_store_errors_are_503(runner: MlxRunner) -> None:
     from aiohttp.test_utils import TestServer
 
-    from cacheproxy.app import create_app
-    from cacheproxy.settings import Settings
+    from cacheproxy.cli.settings import Settings
+    from cacheproxy.edge.app import create_app
     from tests.conftest import free_port
     from tests.test_faults import BrokenStore
 

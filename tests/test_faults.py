@@ -11,11 +11,11 @@ import orjson
 from aiohttp.test_utils import TestServer
 
 from backends.base import BackendError
-from cacheproxy.app import create_app
-from cacheproxy.demo_model import BUNDLED_MODEL
+from cacheproxy.cli.settings import Settings
+from cacheproxy.edge.app import create_app
+from cacheproxy.edge.state import PROXY
+from cacheproxy.runners.demo.model import BUNDLED_MODEL
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
-from cacheproxy.settings import Settings
-from cacheproxy.state import PROXY
 from tests.conftest import ProxyFactory, free_port
 from tests.test_proxy_e2e import NO_EOS
 

@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from cacheproxy.codec import Chunk, Output
 from cacheproxy.errors import GenerationTimeout
-from cacheproxy.flights import Flight
-from cacheproxy.live import Live
+from cacheproxy.keys.codec import Chunk, Output
 from cacheproxy.runners.base import Failed, Finished, Generation
+from cacheproxy.runners.live import Live
+from cacheproxy.service.flights import Flight
 
 CHUNKS = tuple(Chunk(text=f"w{i} ", tokens=(i,)) for i in range(20))
 OUTPUT = Output(chunks=CHUNKS, finish_reason="length", prompt_tokens=3, completion_tokens=20)

@@ -14,11 +14,11 @@ import pytest
 import pytest_asyncio
 
 from backends.base import NamespaceStats
-from cacheproxy.demo_model import write_copy
-from cacheproxy.fingerprint import EngineVersions, installed_versions
-from cacheproxy.namespaces import Registry
+from cacheproxy.edge.state import INVALIDATOR
+from cacheproxy.keys.fingerprint import EngineVersions, installed_versions
+from cacheproxy.runners.demo.model import write_copy
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
-from cacheproxy.state import INVALIDATOR
+from cacheproxy.service.namespaces import Registry
 from policies.invalidation import InvalidationPolicy
 from tests.conftest import Proxy, ProxyFactory, eventually
 

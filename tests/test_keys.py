@@ -14,9 +14,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from cacheproxy.canonical import ROLES, Endpoint, RunnerDefaults, parse
-from cacheproxy.fingerprint import Fingerprint
-from cacheproxy.keys import make_key, namespace_of
+from cacheproxy.keys.canonical import ROLES, Endpoint, RunnerDefaults, parse
+from cacheproxy.keys.fingerprint import Fingerprint
+from cacheproxy.keys.key import make_key, namespace_of
 from policies.sampling import SamplingMode
 
 DEFAULTS = RunnerDefaults(

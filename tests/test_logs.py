@@ -13,8 +13,8 @@ import pytest
 import structlog
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from cacheproxy import logs, metrics
-from cacheproxy.metrics import LATENCY_BUCKETS, Metrics, RequestTally
+from cacheproxy.observe import logs, metrics
+from cacheproxy.observe.metrics import LATENCY_BUCKETS, Metrics, RequestTally
 
 
 def _configure_json(monkeypatch: pytest.MonkeyPatch, level: str

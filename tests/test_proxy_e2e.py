@@ -9,7 +9,7 @@ import time
 import aiohttp
 import openai
 
-from cacheproxy.demo_model import BUNDLED_MODEL
+from cacheproxy.runners.demo.model import BUNDLED_MODEL
 from tests.conftest import ProxyFactory
 
 STORY = "Once upon a time, the owl"

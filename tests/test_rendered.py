@@ -11,7 +11,7 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer, make_mocked_request
 
-from cacheproxy.rendered import Rendered, header_lines
+from cacheproxy.edge.prerendered import Rendered, header_lines
 from tests.conftest import free_port
 
 BODY = b'{"answer":"The fox eats bones. 100% sure."}'

@@ -14,10 +14,10 @@ import pytest
 from multidict import CIMultiDict
 
 from backends import TieredBackend
-from cacheproxy import codec
-from cacheproxy.canonical import Parsed
-from cacheproxy.hot import CREATED_MARK, ID_MARK, Template
-from cacheproxy.state import HOT, PROXY
+from cacheproxy.edge.state import HOT, PROXY
+from cacheproxy.keys import codec
+from cacheproxy.keys.canonical import Parsed
+from cacheproxy.service.memos import CREATED_MARK, ID_MARK, Template
 from tests.conftest import Proxy, ProxyFactory
 
 CHAT = "/v1/chat/completions"

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import aiohttp
 
-from cacheproxy import codec
-from cacheproxy.codec import Chunk, Output
-from cacheproxy.state import PROXY
+from cacheproxy.edge.state import PROXY
+from cacheproxy.keys import codec
+from cacheproxy.keys.codec import Chunk, Output
 from tests.conftest import Proxy, ProxyFactory
 
 CLI = [sys.executable, "-m", "cacheproxy"]
@@ -130,7 +130,7 @@ async def test_stats_inspect_and_purge_through_the_cli(
 
 
 async def test_purge_superseded_through_the_cli(make_proxy: ProxyFactory, tmp_path: Path) -> None:
-    from cacheproxy.namespaces import Registry
+    from cacheproxy.service.namespaces import Registry
 
     store = f"disk://{tmp_path}/store"
     proxy = await make_proxy(store=store)

@@ -26,15 +26,15 @@ from structlog.testing import capture_logs
 
 from backends import open_backend
 from backends.base import Backend
-from cacheproxy.app import create_app
-from cacheproxy.canonical import parse
-from cacheproxy.demo_model import write_copy
+from cacheproxy.cli.settings import Settings, build_settings
+from cacheproxy.edge.app import create_app
+from cacheproxy.edge.state import INVALIDATOR, PROXY
+from cacheproxy.keys.canonical import parse
+from cacheproxy.runners.demo.model import write_copy
 from cacheproxy.runners.pool import agree
 from cacheproxy.runners.upstream import UpstreamOptions, UpstreamRunner
 from cacheproxy.runners.upstream_stream import _Reader
 from cacheproxy.runners.upstream_wire import parse_system_fingerprint, rejection
-from cacheproxy.settings import Settings, build_settings
-from cacheproxy.state import INVALIDATOR, PROXY
 from policies.sampling import SamplingMode
 from tests.conftest import free_port
 from tests.test_proxy_e2e import NO_EOS

@@ -16,7 +16,7 @@ import pytest
 import uvloop
 
 from cacheproxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
-from cacheproxy.live import Live
+from cacheproxy.runners.live import Live
 from cacheproxy.runners.upstream_stream import Unreachable, stream
 from cacheproxy.runners.upstream_wire import Delta
 from tests.conftest import free_port

@@ -6,7 +6,7 @@ that could still become a stop sequence, and cuts the output before a stop.
 
 from __future__ import annotations
 
-from cacheproxy.codec import Chunk, TokenLogprob
+from cacheproxy.keys.codec import Chunk, TokenLogprob
 
 
 class Assembler:

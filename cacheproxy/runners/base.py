@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from cacheproxy.canonical import CanonicalRequest, RunnerDefaults
-from cacheproxy.codec import Chunk, Output
 from cacheproxy.errors import GenerationFailed, ProxyError
-from cacheproxy.fingerprint import Fingerprint
-from cacheproxy.live import Live
-from cacheproxy.watcher import Snapshot
+from cacheproxy.keys.canonical import CanonicalRequest, RunnerDefaults
+from cacheproxy.keys.codec import Chunk, Output
+from cacheproxy.keys.fingerprint import Fingerprint
+from cacheproxy.runners.live import Live
+from cacheproxy.runners.watcher import Snapshot
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from cacheproxy import fingerprint as fp
-from cacheproxy.canonical import CanonicalRequest, RunnerDefaults
-from cacheproxy.codec import Output, TokenLogprob
-from cacheproxy.digests import DigestMemo
 from cacheproxy.errors import ContextLengthExceeded, Overloaded
+from cacheproxy.keys import fingerprint as fp
+from cacheproxy.keys.canonical import CanonicalRequest, RunnerDefaults
+from cacheproxy.keys.codec import Output, TokenLogprob
+from cacheproxy.keys.digests import DigestMemo
 from cacheproxy.runners.assembler import Assembler
 from cacheproxy.runners.base import Finished, Generation, failure
-from cacheproxy.watcher import Snapshot, snapshot
+from cacheproxy.runners.watcher import Snapshot, snapshot
 
 PREFILL_STEP = 512
 

@@ -27,18 +27,18 @@ from pathlib import Path
 import orjson
 import structlog
 
-from cacheproxy import fingerprint as fp
-from cacheproxy.canonical import CanonicalRequest, RunnerDefaults
-from cacheproxy.codec import Output
-from cacheproxy.digests import DigestMemo
 from cacheproxy.errors import GenerationFailed, Overloaded, Unsupported, UpstreamUnavailable
+from cacheproxy.keys import fingerprint as fp
+from cacheproxy.keys.canonical import CanonicalRequest, RunnerDefaults
+from cacheproxy.keys.codec import Output
+from cacheproxy.keys.digests import DigestMemo
 from cacheproxy.runners.base import Failed, Finished, Generation, failure
 from cacheproxy.runners.mlx import ModelChanging
 from cacheproxy.runners.pool import Member, Pool, Retry, pick
 from cacheproxy.runners.upstream_http import UpstreamClient
 from cacheproxy.runners.upstream_stream import Unreachable
 from cacheproxy.runners.upstream_wire import Delta, Reading, path, request_body
-from cacheproxy.watcher import Snapshot, snapshot
+from cacheproxy.runners.watcher import Snapshot, snapshot
 
 log = structlog.get_logger("cacheproxy.upstream")
 ENGINE = "mlx_lm.server"

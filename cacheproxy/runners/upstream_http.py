@@ -16,8 +16,8 @@ import aiohttp
 import orjson
 
 from cacheproxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
-from cacheproxy.live import Live
 from cacheproxy.runners import upstream_stream
+from cacheproxy.runners.live import Live
 from cacheproxy.runners.upstream_stream import Unreachable
 from cacheproxy.runners.upstream_wire import Delta, probe_body, rejection
 

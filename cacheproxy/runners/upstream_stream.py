@@ -26,9 +26,9 @@ from collections.abc import AsyncGenerator, Callable
 from typing import cast
 
 from cacheproxy.errors import UpstreamTimeout, UpstreamUnavailable
-from cacheproxy.live import Live
 from cacheproxy.runners import gathering
 from cacheproxy.runners.http10 import MAX_HEAD, parse_head, request_head, target, tls
+from cacheproxy.runners.live import Live
 from cacheproxy.runners.upstream_wire import DONE, Delta, delta, parse_line, rejection
 
 LOOK_EVERY = 0.5  # seconds between looks for silence (and for bytes held while gathering)

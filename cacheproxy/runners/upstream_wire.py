@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from cacheproxy.canonical import CanonicalRequest
-from cacheproxy.codec import Chunk
 from cacheproxy.errors import ProxyError, UpstreamUnavailable
+from cacheproxy.keys.canonical import CanonicalRequest
+from cacheproxy.keys.codec import Chunk
 from cacheproxy.runners.assembler import Assembler
 from cacheproxy.runners.base import Generation
 from policies.sampling import Sampling

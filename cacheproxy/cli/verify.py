@@ -16,8 +16,8 @@ from typing import TextIO
 
 from backends import open_backend
 from backends.base import Backend, Scan
-from cacheproxy import codec
-from cacheproxy.canonical import CanonicalRequest
+from cacheproxy.keys import codec
+from cacheproxy.keys.canonical import CanonicalRequest
 from cacheproxy.runners.base import Runner
 
 

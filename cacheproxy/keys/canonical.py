@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 import msgpack
 
-from cacheproxy import fields
 from cacheproxy.errors import InvalidRequest, ModelNotFound, Unsupported
+from cacheproxy.keys import fields
 from policies.sampling import Sampling, SamplingMode, SamplingOutcome, resolve_sampling
 
 Endpoint = Literal["chat", "completions"]

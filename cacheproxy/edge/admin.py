@@ -5,14 +5,14 @@ from __future__ import annotations
 from aiohttp import web
 
 from backends.base import NamespacePurge
-from cacheproxy import codec
+from cacheproxy.cli.store import record_view
+from cacheproxy.edge.completions import json_response
+from cacheproxy.edge.state import PROXY
+from cacheproxy.edge.stats import METRICS, snapshot
 from cacheproxy.errors import InvalidRequest, RouteNotFound
-from cacheproxy.handlers import json_response
-from cacheproxy.hot import decode_body
-from cacheproxy.namespaces import Registry
-from cacheproxy.state import PROXY
-from cacheproxy.stats import METRICS, snapshot
-from cacheproxy.store_cli import record_view
+from cacheproxy.keys import codec
+from cacheproxy.service.memos import decode_body
+from cacheproxy.service.namespaces import Registry
 
 
 async def stats(request: web.Request) -> web.Response:

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from cacheproxy.fingerprint import watched_files
+from cacheproxy.keys.fingerprint import watched_files
 
 Snapshot = dict[str, tuple[int, int, int]]
 

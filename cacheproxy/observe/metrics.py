@@ -25,7 +25,7 @@ MINUTES = 15  # of per-minute counts kept for the status page
 FOLD_EVERY = 0.1  # seconds between folds of the recorded requests into the counts
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                    10, 30, 60)
-log = structlog.get_logger("cacheproxy.metrics")
+log = structlog.get_logger("cacheproxy.observe.metrics")
 _LE = [floatToGoString(b) for b in LATENCY_BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
 
 

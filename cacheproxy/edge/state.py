@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from cacheproxy.hot import HitTemplates, ParseMemo, Repeats, ResponseIds
-from cacheproxy.invalidation import Invalidator
-from cacheproxy.service import CachingProxy
-from cacheproxy.settings import Settings
+from cacheproxy.cli.settings import Settings
+from cacheproxy.service.invalidation import Invalidator
+from cacheproxy.service.memos import HitTemplates, ParseMemo, Repeats, ResponseIds
+from cacheproxy.service.proxy import CachingProxy
 
 
 @dataclass(frozen=True, slots=True)

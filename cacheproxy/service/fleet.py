@@ -20,7 +20,7 @@ import structlog
 
 from backends.base import BackendError, DistributedLock, Notify
 
-log = structlog.get_logger("cacheproxy.fleet")
+log = structlog.get_logger("cacheproxy.service.fleet")
 R = TypeVar("R")
 
 

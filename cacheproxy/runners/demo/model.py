@@ -1,6 +1,6 @@
 """The small demo model the embedded default serves: built, trained and saved by this code.
 
-The shipped copy lives in ``cacheproxy/data/demo-model``. ``cacheproxy demo-model``
+The shipped copy lives in ``cacheproxy/runners/demo/data/demo-model``. ``cacheproxy demo-model``
 writes a copy of it, a quantized copy (through mlx-lm's own convert API), or a
 freshly trained one (same recipe, fixed steps and seeds: identical weights on the
 same machine and runtime).
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cacheproxy import demo_corpus
+from cacheproxy.runners.demo import corpus as demo_corpus
 
 BUNDLED_MODEL = Path(__file__).parent / "data" / "demo-model"
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

@@ -10,8 +10,8 @@ from aiohttp import web
 from backends import redact_url
 from backends.base import BackendError, StoreStats
 from backends.tiered import TieredBackend
-from cacheproxy.metrics import Metrics
-from cacheproxy.state import INVALIDATOR, PROXY, SETTINGS, STARTED
+from cacheproxy.edge.state import INVALIDATOR, PROXY, SETTINGS, STARTED
+from cacheproxy.observe.metrics import Metrics
 
 
 async def snapshot(app: web.Application) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from backends import default_disk_url
-from cacheproxy.demo_model import BUNDLED_MODEL
+from cacheproxy.runners.demo.model import BUNDLED_MODEL
 from policies.invalidation import InvalidationPolicy
 from policies.sampling import SamplingMode
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import xxhash
 
-from cacheproxy.canonical import CanonicalRequest
+from cacheproxy.keys.canonical import CanonicalRequest
 
 # Bump when the canonical form or the key layout changes: old entries become unreachable.
 KEY_SCHEMA = 1

@@ -13,22 +13,23 @@ from aiohttp import web
 
 from backends import open_backend, redact_url
 from backends.base import Backend
-from cacheproxy import admin, handlers
-from cacheproxy.auth import check_admin, client_identity
-from cacheproxy.edge import Handler, Limits, edge, no_route
-from cacheproxy.hot import ParseMemo
-from cacheproxy.invalidation import Invalidator
-from cacheproxy.metrics import Metrics
+from cacheproxy.cli.settings import Settings
+from cacheproxy.edge import admin
+from cacheproxy.edge import completions as handlers
+from cacheproxy.edge.auth import check_admin, client_identity
+from cacheproxy.edge.route import Handler, Limits, edge, no_route
+from cacheproxy.edge.state import HOT, IDENTITY, INVALIDATOR, PROXY, SETTINGS, STARTED, Hot
+from cacheproxy.edge.stats import METRICS
+from cacheproxy.edge.status_page import status_page
+from cacheproxy.observe.metrics import Metrics
 from cacheproxy.runners.base import Runner
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
 from cacheproxy.runners.upstream import UpstreamOptions, UpstreamRunner
-from cacheproxy.service import CachingProxy, ServiceOptions
-from cacheproxy.settings import Settings
-from cacheproxy.state import HOT, IDENTITY, INVALIDATOR, PROXY, SETTINGS, STARTED, Hot
-from cacheproxy.stats import METRICS
-from cacheproxy.status_page import status_page
+from cacheproxy.service.invalidation import Invalidator
+from cacheproxy.service.memos import ParseMemo
+from cacheproxy.service.proxy import CachingProxy, ServiceOptions
 
-log = structlog.get_logger("cacheproxy.app")
+log = structlog.get_logger("cacheproxy.edge.app")
 
 
 def create_app(

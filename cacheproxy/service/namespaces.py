@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from backends.base import Backend, NamespaceStats
-from cacheproxy import codec
-from cacheproxy.fingerprint import Fingerprint
+from cacheproxy.keys import codec
+from cacheproxy.keys.fingerprint import Fingerprint
 
 REGISTRY_KEY = "_registry"  # not a namespace: namespaces are 32 hex digits
 

@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 import xxhash
 
-from cacheproxy.digests import DigestMemo, hash_files
+from cacheproxy.keys.digests import DigestMemo, hash_files
 
 FINGERPRINT_SCHEMA = 1
 WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf", ".bin")

@@ -18,6 +18,8 @@ from aiohttp import web
 from multidict import istr
 
 from backends.base import BackendError
+from cacheproxy.edge.prerendered import Rendered
+from cacheproxy.edge.state import CACHE_LOG, SETTINGS
 from cacheproxy.errors import (
     GenerationFailed,
     MethodNotAllowed,
@@ -27,10 +29,8 @@ from cacheproxy.errors import (
     RouteNotFound,
     StoreDown,
 )
-from cacheproxy.logs import access_writer
-from cacheproxy.metrics import FinishedRequest
-from cacheproxy.rendered import Rendered
-from cacheproxy.state import CACHE_LOG, SETTINGS
+from cacheproxy.observe.logs import access_writer
+from cacheproxy.observe.metrics import FinishedRequest
 
 log = structlog.get_logger("cacheproxy.access")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -43,7 +43,7 @@ _ids = itertools.count()
 
 
 def _error_response(error: ProxyError) -> web.Response:
-    from cacheproxy.handlers import json_response
+    from cacheproxy.edge.completions import json_response
 
     return json_response(error.body(), status=error.status, headers=error.headers())
 

@@ -10,8 +10,8 @@ from typing import Any, TextIO
 
 from backends import open_backend
 from backends.base import Backend, NamespacePurge, Scan, StoreStats
-from cacheproxy import codec
-from cacheproxy.namespaces import REGISTRY_KEY, Registry
+from cacheproxy.keys import codec
+from cacheproxy.service.namespaces import REGISTRY_KEY, Registry
 
 
 def _when(ts: float | None) -> str:

@@ -20,9 +20,9 @@ from typing import Generic, TypeVar
 
 import orjson
 
-from cacheproxy.canonical import Endpoint, Parsed, RunnerDefaults, parse
 from cacheproxy.errors import InvalidRequest
-from cacheproxy.logs import SharedFields
+from cacheproxy.keys.canonical import Endpoint, Parsed, RunnerDefaults, parse
+from cacheproxy.observe.logs import SharedFields
 from policies.sampling import SamplingMode
 
 K = TypeVar("K", bound=Hashable)

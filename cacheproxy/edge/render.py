@@ -7,8 +7,8 @@ from typing import Any
 
 import orjson
 
-from cacheproxy.canonical import Delivery, Endpoint
-from cacheproxy.codec import Chunk, Output, TokenLogprob
+from cacheproxy.keys.canonical import Delivery, Endpoint
+from cacheproxy.keys.codec import Chunk, Output, TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,19 +25,20 @@ import msgpack
 import structlog
 
 from backends.base import Backend, BackendError, DistributedLock, Peek
-from cacheproxy import __version__, codec
-from cacheproxy.breaker import Breaker, StoreUnavailable
-from cacheproxy.canonical import CanonicalRequest, Parsed
+from cacheproxy import __version__
 from cacheproxy.errors import GenerationTimeout, NotCached
-from cacheproxy.fleet import Fleet
-from cacheproxy.flights import Fill, Flight, Flights
-from cacheproxy.hot import LRU
-from cacheproxy.keys import make_key
+from cacheproxy.keys import codec
+from cacheproxy.keys.canonical import CanonicalRequest, Parsed
+from cacheproxy.keys.key import make_key
 from cacheproxy.runners.base import Runner
+from cacheproxy.service.breaker import Breaker, StoreUnavailable
+from cacheproxy.service.fleet import Fleet
+from cacheproxy.service.flights import Fill, Flight, Flights
+from cacheproxy.service.memos import LRU
 from policies.cache_control import NONE as NO_DIRECTIVES
 from policies.cache_control import RequestDirectives, stored_answer_usable
 
-log = structlog.get_logger("cacheproxy.service")
+log = structlog.get_logger("cacheproxy.service.proxy")
 T = TypeVar("T")
 
 

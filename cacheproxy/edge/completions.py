@@ -9,17 +9,26 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from cacheproxy import render
-from cacheproxy.canonical import Endpoint, Parsed
-from cacheproxy.codec import Chunk, Output
+from cacheproxy.edge import render
+from cacheproxy.edge.prerendered import Rendered, header_lines
+from cacheproxy.edge.state import (
+    CACHE_LOG,
+    HOT,
+    IDENTITY,
+    INVALIDATOR,
+    PROXY,
+    SETTINGS,
+    STARTED,
+    Hot,
+)
 from cacheproxy.errors import ProxyError
-from cacheproxy.fingerprint import Fingerprint
-from cacheproxy.flights import Flight
-from cacheproxy.hot import CREATED_MARK, ID_MARK, Repeat, Repeats, Template
-from cacheproxy.logs import SharedFields
-from cacheproxy.rendered import Rendered, header_lines
-from cacheproxy.service import Answer
-from cacheproxy.state import CACHE_LOG, HOT, IDENTITY, INVALIDATOR, PROXY, SETTINGS, STARTED, Hot
+from cacheproxy.keys.canonical import Endpoint, Parsed
+from cacheproxy.keys.codec import Chunk, Output
+from cacheproxy.keys.fingerprint import Fingerprint
+from cacheproxy.observe.logs import SharedFields
+from cacheproxy.service.flights import Flight
+from cacheproxy.service.memos import CREATED_MARK, ID_MARK, Repeat, Repeats, Template
+from cacheproxy.service.proxy import Answer
 from policies.cache_control import parse_cache_control, response_cache_control
 
 JSON = "application/json"

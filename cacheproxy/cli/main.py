@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 from cacheproxy import __version__
+from cacheproxy.cli.settings import Settings, build_settings
 from cacheproxy.errors import UpstreamUnavailable
-from cacheproxy.logs import BatchedLines
-from cacheproxy.settings import Settings, build_settings
+from cacheproxy.observe.logs import BatchedLines
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _store_command(args: argparse.Namespace) -> int:
-    from cacheproxy import store_cli
+    from cacheproxy.cli import store as store_cli
 
     flags = {"store": args.store, "model": getattr(args, "model", None),
              "model_id": getattr(args, "model_id", None)}
@@ -148,8 +148,8 @@ def _ask(what: str) -> bool:
 
 
 async def _verify(settings: Settings, args: argparse.Namespace) -> int:
+    from cacheproxy.cli.verify import print_report, verify
     from cacheproxy.runners.mlx import MlxOptions, MlxRunner
-    from cacheproxy.verify import print_report, verify
 
     runner = MlxRunner(MlxOptions(model=settings.model, model_id=settings.served_model_id,
                                   digest_memo=Path(settings.digest_memo)))
@@ -168,7 +168,7 @@ def serve(settings: Settings) -> int:
     """Run the server until SIGINT/SIGTERM."""
     import uvloop
 
-    from cacheproxy import logs
+    from cacheproxy.observe import logs
 
     files = resource.getrlimit(resource.RLIMIT_NOFILE)  # before mlx-lm is imported
     batched = logs.configure(fmt=settings.log_format, level=settings.log_level)
@@ -201,9 +201,9 @@ async def _serve(settings: Settings, batched: BatchedLines | None,
     from aiohttp import web
 
     from backends import redact_url
-    from cacheproxy import logs
-    from cacheproxy.app import create_app
-    from cacheproxy.connections import limit_connections
+    from cacheproxy.edge.app import create_app
+    from cacheproxy.edge.connections import limit_connections
+    from cacheproxy.observe import logs
 
     flusher = asyncio.create_task(logs.flush_periodically(batched)) if batched else None
 
@@ -242,7 +242,7 @@ def demo_model(out: Path, quantize: int | None, retrain: bool, steps: int | None
     """Write the demo model: a copy, a quantized copy, or a retrained one."""
     from dataclasses import replace
 
-    from cacheproxy import demo_model as dm
+    from cacheproxy.runners.demo import model as dm
 
     if retrain:
         if quantize is not None:
@@ -259,9 +259,9 @@ def demo_model(out: Path, quantize: int | None, retrain: bool, steps: int | None
 
 def fingerprint(model: str | None) -> int:
     """Print the pinned configuration tuple and its digest."""
-    from cacheproxy import fingerprint as fp
-    from cacheproxy.demo_model import BUNDLED_MODEL
-    from cacheproxy.settings import DEMO_MODEL_ID
+    from cacheproxy.cli.settings import DEMO_MODEL_ID
+    from cacheproxy.keys import fingerprint as fp
+    from cacheproxy.runners.demo.model import BUNDLED_MODEL
 
     path = Path(model) if model else BUNDLED_MODEL
     if not (path / "config.json").exists():

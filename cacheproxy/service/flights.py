@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from cacheproxy.codec import Chunk, Output
 from cacheproxy.errors import GenerationFailed, ProxyError
-from cacheproxy.live import Live
+from cacheproxy.keys.codec import Chunk, Output
+from cacheproxy.runners.live import Live
 
 
 class Flight:

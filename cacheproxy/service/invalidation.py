@@ -21,12 +21,12 @@ import structlog
 
 from backends.base import Backend, BackendError, NamespacePurge
 from cacheproxy.errors import Overloaded
-from cacheproxy.fingerprint import Fingerprint
-from cacheproxy.namespaces import Registry
-from cacheproxy.watcher import ModelWatcher, Snapshot
+from cacheproxy.keys.fingerprint import Fingerprint
+from cacheproxy.runners.watcher import ModelWatcher, Snapshot
+from cacheproxy.service.namespaces import Registry
 from policies.invalidation import InvalidationPolicy, to_purge
 
-log = structlog.get_logger("cacheproxy.invalidation")
+log = structlog.get_logger("cacheproxy.service.invalidation")
 
 
 class Reloadable(Protocol):

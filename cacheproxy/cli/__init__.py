@@ -1,0 +1,1 @@
+"""The face: command line, settings, store commands, verify."""

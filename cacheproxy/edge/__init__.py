@@ -1,0 +1,1 @@
+"""The HTTP edge: app, per-route wrapper, handlers, admin API, auth, rendering."""

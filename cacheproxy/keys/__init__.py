@@ -1,0 +1,1 @@
+"""Keys: canonical request, field readers, key, fingerprint, digests, record codec."""

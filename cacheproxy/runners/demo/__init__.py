@@ -1,0 +1,1 @@
+"""The demo model: its corpus, recipe and shipped weights."""

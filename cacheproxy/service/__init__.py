@@ -1,0 +1,1 @@
+"""The service: the order of operations, single-flight, fleet, breaker, invalidation."""
