@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from policies.status import Reason
+
 
 @dataclass(frozen=True, slots=True)
 class RequestDirectives:
@@ -51,16 +53,16 @@ class Freshness:
     """Whether a stored answer may be served, and why not."""
 
     usable: bool
-    reason: str
+    reason: Reason
 
 
 def stored_answer_usable(directives: RequestDirectives, age: float) -> Freshness:
     """May a stored answer of this age be served under these directives?"""
     if directives.no_cache:
-        return Freshness(False, "no-cache")
+        return Freshness(False, Reason.NO_CACHE)
     if directives.max_age is not None and age > directives.max_age:
-        return Freshness(False, "max-age")
-    return Freshness(True, "fresh")
+        return Freshness(False, Reason.MAX_AGE)
+    return Freshness(True, Reason.FRESH)
 
 
 def response_cache_control(*, stored: bool, ttl: float | None, age: float) -> str:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import assert_never
 
+from policies.status import Reason
+
 
 class SamplingMode(StrEnum):
     """How requests that ask for sampling are treated."""
@@ -47,7 +49,7 @@ class Decision:
     """Whether an answer may be served from and stored in the cache, and why."""
 
     cacheable: bool
-    reason: str
+    reason: Reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,15 +65,16 @@ def resolve_sampling(requested: Sampling, mode: SamplingMode) -> SamplingOutcome
     """Apply the mode: greedy drops every knob that cannot change an argmax."""
     if requested.is_greedy:
         # top_p/top_k/min_p/seed cannot change an argmax: drop them from the key.
-        return SamplingOutcome(GREEDY, Decision(True, "greedy"), rewritten=False)
+        return SamplingOutcome(GREEDY, Decision(True, Reason.GREEDY), rewritten=False)
     match mode:
         case SamplingMode.FORCE_GREEDY:
-            return SamplingOutcome(GREEDY, Decision(True, "forced-greedy"), rewritten=True)
+            return SamplingOutcome(GREEDY, Decision(True, Reason.FORCED_GREEDY), rewritten=True)
         case SamplingMode.SEEDED:
             if requested.seed is None:
-                return SamplingOutcome(requested, Decision(False, "unseeded-sampling"), False)
-            return SamplingOutcome(requested, Decision(True, "seeded"), rewritten=False)
+                return SamplingOutcome(requested, Decision(False, Reason.UNSEEDED_SAMPLING),
+                                       rewritten=False)
+            return SamplingOutcome(requested, Decision(True, Reason.SEEDED), rewritten=False)
         case SamplingMode.BYPASS:
-            return SamplingOutcome(requested, Decision(False, "sampling"), rewritten=False)
+            return SamplingOutcome(requested, Decision(False, Reason.SAMPLING), rewritten=False)
         case _:
             assert_never(mode)

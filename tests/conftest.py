@@ -18,8 +18,8 @@ from aiohttp.test_utils import TestServer
 
 from backends import open_backend
 from backends.base import Backend, NamespaceStats
+from cacheproxy.cli.serve import build_app
 from cacheproxy.cli.settings import DEMO_MODEL_ID, Settings
-from cacheproxy.edge.app import create_app
 from cacheproxy.edge.state import PROXY
 from cacheproxy.runners.demo.model import BUNDLED_MODEL
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
@@ -91,7 +91,7 @@ async def make_proxy(runner: MlxRunner, tmp_path: Path) -> AsyncIterator[ProxyFa
         settings = replace(Settings(store=store, model=str(BUNDLED_MODEL)), **overrides)
         backend = open_backend(settings.store)
         stores.append(backend)
-        app = create_app(settings, runner=the_runner or runner, store=backend)
+        app = build_app(settings, runner=the_runner or runner, store=backend)
         server = TestServer(app, host="127.0.0.1", port=free_port())
         await server.start_server()
         servers.append(server)

@@ -268,7 +268,7 @@ def test_a_hard_limit_that_cannot_be_raised_again_leaves_the_soft_one_under_it(
     """Fake: a process without privileges cannot raise a hard limit; root (these tests) can."""
     import resource
 
-    from cacheproxy.cli import main as cli
+    from cacheproxy.cli import serve as cli
 
     calls: list[tuple[int, int]] = []
 
@@ -279,6 +279,6 @@ def test_a_hard_limit_that_cannot_be_raised_again_leaves_the_soft_one_under_it(
 
     monkeypatch.setattr(resource, "getrlimit", lambda _: (2048, 4096))
     monkeypatch.setattr(resource, "setrlimit", setrlimit)
-    cli._restore_file_limit((65536, 65536), 1000)
+    cli.restore_file_limit((65536, 65536), 1000)
     assert calls == [(65536, 65536), (4096, 4096)]
     assert "WARNING" not in capsys.readouterr().err  # 2048 (the fake reads it) fits 1000

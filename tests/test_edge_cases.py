@@ -182,12 +182,12 @@ async def test_a_follower_stops_waiting_after_the_generation_timeout(redis_url: 
 async def test_admin_store_errors_are_503(runner: MlxRunner) -> None:
     from aiohttp.test_utils import TestServer
 
+    from cacheproxy.cli.serve import build_app
     from cacheproxy.cli.settings import Settings
-    from cacheproxy.edge.app import create_app
     from tests.conftest import free_port
     from tests.test_faults import BrokenStore
 
-    app = create_app(Settings(store="memory://", admin_token="t"), runner=runner,
+    app = build_app(Settings(store="memory://", admin_token="t"), runner=runner,
                      store=BrokenStore())
     server = TestServer(app, host="127.0.0.1", port=free_port())
     await server.start_server()

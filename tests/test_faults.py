@@ -11,8 +11,8 @@ import orjson
 from aiohttp.test_utils import TestServer
 
 from backends.base import BackendError
+from cacheproxy.cli.serve import build_app
 from cacheproxy.cli.settings import Settings
-from cacheproxy.edge.app import create_app
 from cacheproxy.edge.state import PROXY
 from cacheproxy.runners.demo.model import BUNDLED_MODEL
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
@@ -159,7 +159,7 @@ class BrokenStore:
 
 async def test_store_errors_are_misses_never_5xx(runner: MlxRunner) -> None:
     store = BrokenStore()
-    app = create_app(Settings(store="memory://", store_retry=60), runner=runner, store=store)
+    app = build_app(Settings(store="memory://", store_retry=60), runner=runner, store=store)
     server = TestServer(app, host="127.0.0.1", port=free_port())
     await server.start_server()
     try:
@@ -218,7 +218,7 @@ class FlakyStore:
 
 async def test_store_outage_bypasses_then_hits_resume(runner: MlxRunner) -> None:
     store = FlakyStore()
-    app = create_app(Settings(store="memory://", store_retry=0.3), runner=runner, store=store)
+    app = build_app(Settings(store="memory://", store_retry=0.3), runner=runner, store=store)
     server = TestServer(app, host="127.0.0.1", port=free_port())
     await server.start_server()
     url = f"http://127.0.0.1:{server.port}{CHAT}"

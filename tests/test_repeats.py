@@ -14,7 +14,7 @@ import pytest
 from multidict import CIMultiDict
 
 from backends import TieredBackend
-from cacheproxy.edge.state import HOT, PROXY
+from cacheproxy.edge.state import PROXY
 from cacheproxy.keys import codec
 from cacheproxy.keys.canonical import Parsed
 from cacheproxy.service.memos import CREATED_MARK, ID_MARK, Template
@@ -52,7 +52,7 @@ def _never_parse(proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*_: object) -> Parsed:
         raise AssertionError("the request was parsed again")
 
-    monkeypatch.setattr(proxy.app[HOT].parser, "parse", refuse)
+    monkeypatch.setattr(proxy.app[PROXY].memos.parser, "parse", refuse)
 
 
 @pytest.mark.parametrize("stream", [False, True])

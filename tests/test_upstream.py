@@ -26,8 +26,8 @@ from structlog.testing import capture_logs
 
 from backends import open_backend
 from backends.base import Backend
+from cacheproxy.cli.serve import build_app
 from cacheproxy.cli.settings import Settings, build_settings
-from cacheproxy.edge.app import create_app
 from cacheproxy.edge.state import INVALIDATOR, PROXY
 from cacheproxy.keys.canonical import parse
 from cacheproxy.runners.demo.model import write_copy
@@ -98,7 +98,7 @@ async def start_proxy(model_dir: Path, tmp_path: Path
                                     model_dir=str(model_dir), model_id=MODEL_ID, watch=False,
                                     digest_memo=str(tmp_path / "memo.json")), **overrides)
         stores.append(store := open_backend(settings.store))
-        server = TestServer(create_app(settings, store=store), host="127.0.0.1",
+        server = TestServer(build_app(settings, store=store), host="127.0.0.1",
                             port=free_port())
         await server.start_server()
         servers.append(server)

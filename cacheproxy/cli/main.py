@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
-import resource
-import signal
 import sys
 from pathlib import Path
 
 from cacheproxy import __version__
 from cacheproxy.cli.settings import Settings, build_settings
 from cacheproxy.errors import UpstreamUnavailable
-from cacheproxy.observe.logs import BatchedLines
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,15 +99,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-FILES_BESIDES_CONNECTIONS = 64  # store, upstream, model and log files
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script and of `python -m cacheproxy`."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "serve":
             flags = {k: v for k, v in vars(args).items() if k != "command"}
+            from cacheproxy.cli.serve import serve
+
             return serve(build_settings(flags, os.environ))
         if args.command == "demo-model":
             return demo_model(args.out, args.quantize, args.retrain, args.steps)
@@ -162,80 +157,6 @@ async def _verify(settings: Settings, args: argparse.Namespace) -> int:
         await runner.aclose()
     print_report(report, as_json=args.json)
     return 0 if not report.mismatches else 1
-
-
-def serve(settings: Settings) -> int:
-    """Run the server until SIGINT/SIGTERM."""
-    import uvloop
-
-    from cacheproxy.observe import logs
-
-    files = resource.getrlimit(resource.RLIMIT_NOFILE)  # before mlx-lm is imported
-    batched = logs.configure(fmt=settings.log_format, level=settings.log_level)
-    uvloop.run(_serve(settings, batched, files))
-    return 0
-
-
-def _restore_file_limit(before: tuple[int, int], max_connections: int) -> None:
-    """mlx-lm sets the open-file limit to (2048, 4096) when it is imported (mlx_lm/utils.py):
-    put back the limit the process started with, or as much of it as it may (raising a hard
-    limit takes privileges), and warn when that leaves too few for max_connections."""
-    now = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if now != before:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, before)
-        except (ValueError, OSError):  # the hard limit stays lowered: the soft one up to it
-            soft, hard = before[0], now[1]
-            if hard != resource.RLIM_INFINITY and (soft == resource.RLIM_INFINITY or soft > hard):
-                soft = hard
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if soft != resource.RLIM_INFINITY and soft < max_connections + FILES_BESIDES_CONNECTIONS:
-        print(f"cacheproxy: WARNING: the open-file limit ({soft}) leaves room for fewer than "
-              f"--max-connections {max_connections} client connections; raise it (ulimit -n) "
-              "or lower --max-connections", file=sys.stderr, flush=True)
-
-
-async def _serve(settings: Settings, batched: BatchedLines | None,
-                 files: tuple[int, int]) -> None:
-    from aiohttp import web
-
-    from backends import redact_url
-    from cacheproxy.edge.app import create_app
-    from cacheproxy.edge.connections import limit_connections
-    from cacheproxy.observe import logs
-
-    flusher = asyncio.create_task(logs.flush_periodically(batched)) if batched else None
-
-    runner = web.AppRunner(create_app(settings), access_log=None)
-    await runner.setup()
-    if runner.server is not None:
-        limit_connections(runner.server, settings.max_connections)
-    site = web.TCPSite(runner, settings.host, settings.port)
-    await site.start()
-    _restore_file_limit(files, settings.max_connections)  # the runner has imported mlx-lm
-    # The model, tokenizer and imports are ~100k long-lived objects: out of the collector's
-    # sight, a full collection no longer rescans them (it cost ~80 ms every ~20k hits).
-    gc.collect()
-    gc.freeze()
-    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:
-        print(f"cacheproxy: WARNING: listening on {settings.host} without API keys: anyone who "
-              "can reach this address can generate and read cached answers "
-              "(set --api-key or CACHEPROXY_API_KEYS)", file=sys.stderr, flush=True)
-    print(f"cacheproxy serving {settings.served_model_id} on http://{settings.host}:"
-          f"{settings.port}/v1 (store {redact_url(settings.store)})", file=sys.stderr,
-          flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
-        if flusher is not None:
-            flusher.cancel()
-            await asyncio.gather(flusher, return_exceptions=True)
 
 
 def demo_model(out: Path, quantize: int | None, retrain: bool, steps: int | None) -> int:

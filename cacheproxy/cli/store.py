@@ -67,7 +67,7 @@ async def inspect(url: str, key: str, *, as_json: bool, out: TextIO = sys.stdout
     except codec.CorruptRecord as exc:
         print(f"entry {key} is corrupt: {exc}", file=sys.stderr)
         return 1
-    view = record_view(key, record)
+    view = codec.record_view(key, record)
     if as_json:
         print(json.dumps(view, indent=2, ensure_ascii=False), file=out)
         return 0
@@ -84,25 +84,6 @@ async def inspect(url: str, key: str, *, as_json: bool, out: TextIO = sys.stdout
           f"completion tokens in {len(o.chunks)} chunks", file=out)
     print(f"text         {o.text!r}", file=out)
     return 0
-
-
-def record_view(key: str, record: codec.Record) -> dict[str, Any]:
-    """A record as plain JSON-able data."""
-    o = record.output
-    return {
-        "key": key,
-        "request": record.request,
-        "output": {
-            "text": o.text,
-            "finish_reason": o.finish_reason,
-            "prompt_tokens": o.prompt_tokens,
-            "completion_tokens": o.completion_tokens,
-            "token_ids": o.token_ids,
-            "chunks": [c.text for c in o.chunks],
-            "logprobs": [[lp.token, lp.logprob] for c in o.chunks for lp in c.logprobs] or None,
-        },
-        "provenance": record.provenance,
-    }
 
 
 async def purge(

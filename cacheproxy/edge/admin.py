@@ -1,17 +1,16 @@
-"""The admin API (/admin/*, bearer token), /metrics, and the status page's data."""
+"""The admin API: /admin/* behind the admin token."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
 from backends.base import NamespacePurge
-from cacheproxy.cli.store import record_view
-from cacheproxy.edge.completions import json_response
+from cacheproxy.edge.route import json_response
 from cacheproxy.edge.state import PROXY
-from cacheproxy.edge.stats import METRICS, snapshot
+from cacheproxy.edge.status import snapshot
 from cacheproxy.errors import InvalidRequest, RouteNotFound
 from cacheproxy.keys import codec
-from cacheproxy.service.memos import decode_body
+from cacheproxy.keys.fields import decode_body
 from cacheproxy.service.namespaces import Registry
 
 
@@ -25,11 +24,6 @@ async def stats(request: web.Request) -> web.Response:
     return json_response(data)
 
 
-async def public_stats(request: web.Request) -> web.Response:
-    """GET /status.json: the aggregate numbers of the status page (no keys, no prompts)."""
-    data = await snapshot(request.app)
-    data.pop("fingerprint_fields", None)
-    return json_response(data)
 
 
 async def entry(request: web.Request) -> web.Response:
@@ -42,7 +36,7 @@ async def entry(request: web.Request) -> web.Response:
         record = codec.decode(data)
     except codec.CorruptRecord as exc:
         raise InvalidRequest(f"entry {key} is corrupt: {exc}") from None
-    return json_response(record_view(key, record))
+    return json_response(codec.record_view(key, record))
 
 
 async def delete_entry(request: web.Request) -> web.Response:
@@ -76,20 +70,3 @@ async def purge(request: web.Request) -> web.Response:
     await registry.forget([d for d in targets if namespaces.get(d, None) is not None
                            and namespaces[d].state != "current"])
     return json_response({"removed": removed, "namespaces": targets})
-
-
-async def metrics(request: web.Request) -> web.Response:
-    """GET /metrics: Prometheus exposition."""
-    data = await snapshot(request.app)
-    gauges = {"store_errors": data["counters"].get("store_errors", 0),
-              "breaker": data["store_breaker"],
-              "entries": data["store"].get("entries"), "bytes": data["store"].get("bytes"),
-              "l1": data["store"].get("l1"),
-              "l1_invalidations": data["store"].get("l1_invalidations"),
-              "l1_tracking_restarts": data["store"].get("l1_tracking_restarts"),
-              "queued": data["lane"].get("queued", 0),
-              "invalidation": {k: v for k, v in data["counters"].items()
-                               if k not in ("store_errors", "corrupt_records")}}
-    body = request.app[METRICS].render(gauges)
-    return web.Response(body=body, content_type="text/plain", charset="utf-8",
-                        headers={"X-Content-Type-Options": "nosniff"})

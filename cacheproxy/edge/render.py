@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +40,19 @@ class Frame:
             "model": self.model,
             "system_fingerprint": self.fingerprint,
         }
+
+
+class ResponseIds:
+    """Unique response ids without a uuid4 per response: a random prefix and a counter."""
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(6).hex()
+        self._counter = itertools.count()
+
+    def next(self, endpoint: Endpoint) -> str:
+        """`chatcmpl-…` or `cmpl-…`."""
+        head = "chatcmpl-" if endpoint == "chat" else "cmpl-"
+        return f"{head}{self._prefix}{next(self._counter):012x}"
 
 
 def sse(events: list[dict[str, Any]]) -> bytes:

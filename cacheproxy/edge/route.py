@@ -12,14 +12,16 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from functools import wraps
+from typing import Any
 
+import orjson
 import structlog
 from aiohttp import web
 from multidict import istr
 
 from backends.base import BackendError
 from cacheproxy.edge.prerendered import Rendered
-from cacheproxy.edge.state import CACHE_LOG, SETTINGS
+from cacheproxy.edge.state import CACHE_LOG, OPTIONS
 from cacheproxy.errors import (
     GenerationFailed,
     MethodNotAllowed,
@@ -42,15 +44,23 @@ _ID_PREFIX = os.urandom(6).hex()
 _ids = itertools.count()
 
 
-def _error_response(error: ProxyError) -> web.Response:
-    from cacheproxy.edge.completions import json_response
+JSON = "application/json"
 
+
+def json_response(data: Any, *, status: int = 200, headers: dict[str, str] | None = None
+                  ) -> web.Response:
+    """A JSON response serialized with orjson."""
+    return web.Response(body=orjson.dumps(data), status=status, headers=headers,
+                        content_type=JSON)
+
+
+def _error_response(error: ProxyError) -> web.Response:
     return json_response(error.body(), status=error.status, headers=error.headers())
 
 
 def _as_proxy_error(exc: web.HTTPException, request: web.Request) -> ProxyError:
     if exc.status == 413:
-        limit = request.app[SETTINGS].max_body_bytes
+        limit = request.app[OPTIONS].max_body_bytes
         return PayloadTooLarge(f"the request body is over the limit of {limit} bytes")
     return GenerationFailed(f"{exc.status} {exc.reason}")
 

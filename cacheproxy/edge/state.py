@@ -1,31 +1,34 @@
-"""Typed application state keys."""
+"""Typed application state: the edge's options and the parts the app's lifecycle starts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aiohttp import web
 
-from cacheproxy.cli.settings import Settings
+from cacheproxy.edge.render import ResponseIds
+from cacheproxy.observe.metrics import Metrics
 from cacheproxy.service.invalidation import Invalidator
-from cacheproxy.service.memos import HitTemplates, ParseMemo, Repeats, ResponseIds
 from cacheproxy.service.proxy import CachingProxy
 
 
-@dataclass(frozen=True, slots=True)
-class Hot:
-    """The hot path's memos, owned by one app."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EdgeOptions:
+    """What the HTTP edge itself needs to know (the face derives it from the settings)."""
 
-    parser: ParseMemo = field(default_factory=ParseMemo)
-    templates: HitTemplates = field(default_factory=HitTemplates)
-    ids: ResponseIds = field(default_factory=ResponseIds)
-    repeats: Repeats = field(default_factory=Repeats)
+    max_body_bytes: int = 1 << 20
+    cache_scope: str = "shared"  # "shared" | "per-key": the caller's key identity joins keys
+    api_keys: tuple[str, ...] = ()
+    admin_token: str = ""  # empty: no admin API (404)
+    max_in_flight: int = 1024
+    store_label: str = ""  # the store URL without credentials, for operators
 
 
-SETTINGS = web.AppKey("settings", Settings)
+OPTIONS = web.AppKey("options", EdgeOptions)
 PROXY = web.AppKey("proxy", CachingProxy)
 INVALIDATOR = web.AppKey("invalidator", Invalidator)
 STARTED = web.AppKey("started", float)
+METRICS = web.AppKey("metrics", Metrics)
+IDS = web.AppKey("ids", ResponseIds)
 CACHE_LOG = web.RequestKey("cache_log", dict)
-HOT = web.AppKey("hot", Hot)
 IDENTITY = web.RequestKey("identity", str)

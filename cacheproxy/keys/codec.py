@@ -131,6 +131,25 @@ def decode(data: bytes) -> Record:
         raise CorruptRecord(f"undecodable payload: {exc}") from exc
 
 
+def record_view(key: str, record: Record) -> dict[str, Any]:
+    """A record as plain JSON-able data."""
+    o = record.output
+    return {
+        "key": key,
+        "request": record.request,
+        "output": {
+            "text": o.text,
+            "finish_reason": o.finish_reason,
+            "prompt_tokens": o.prompt_tokens,
+            "completion_tokens": o.completion_tokens,
+            "token_ids": o.token_ids,
+            "chunks": [c.text for c in o.chunks],
+            "logprobs": [[lp.token, lp.logprob] for c in o.chunks for lp in c.logprobs] or None,
+        },
+        "provenance": record.provenance,
+    }
+
+
 META_MAGIC = b"CPM"
 
 

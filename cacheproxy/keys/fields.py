@@ -6,9 +6,19 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from cacheproxy.errors import InvalidRequest
+import orjson
+
+from cacheproxy.errors import InvalidRequest, Unsupported
 
 MISSING: Any = object()
+
+
+def decode_body(raw: bytes) -> object:
+    """JSON body -> Python; 400 on anything that is not JSON."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
 
 
 def _bad(field: str, expected: str, value: object) -> InvalidRequest:
@@ -96,7 +106,5 @@ def stop_list(body: Mapping[str, Any], field: str = "stop") -> tuple[str, ...]:
 
 def reject_if_set(body: Mapping[str, Any], field: str, why: str) -> None:
     """Refuse a parameter this proxy cannot honour instead of silently ignoring it."""
-    from cacheproxy.errors import Unsupported
-
     if body.get(field) not in (None, False, [], {}):
         raise Unsupported(f"'{field}' is not supported: {why}", param=field)

@@ -21,6 +21,8 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from policies.status import CacheStatus
+
 MINUTES = 15  # of per-minute counts kept for the status page
 FOLD_EVERY = 0.1  # seconds between folds of the recorded requests into the counts
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
@@ -102,8 +104,8 @@ class RequestTally(Collector):
         failed = 0
         for endpoint, status, seconds, info in batch:
             try:
-                cache = info.get("cache", "NONE")
-                self._requests[endpoint, cache, info.get("reason", ""), status] += 1
+                cache = str(info.get("cache", "NONE"))  # an exact str: a JSON key later
+                self._requests[endpoint, cache, str(info.get("reason", "")), status] += 1
                 self._latency[cache].observe(seconds)
                 if not info:
                     continue  # not an API request: no cache status, tokens or minutes
@@ -111,13 +113,13 @@ class RequestTally(Collector):
                     counts = self._minute()
                 self._by_cache[cache] += 1
                 counts[cache] = counts.get(cache, 0) + 1
-                if cache == "HIT":
+                if cache == CacheStatus.HIT:
                     self._saved_tokens += info.get("tokens", 0)
                     self._saved_seconds += info.get("runner_ms", 0.0) / 1000
-                elif cache == "COALESCED":
+                elif cache == CacheStatus.COALESCED:
                     self._coalesced += 1
                     self._saved_tokens += info.get("tokens", 0)
-                elif cache in ("MISS", "BYPASS") and "runner_ms" in info:
+                elif cache in (CacheStatus.MISS, CacheStatus.BYPASS) and "runner_ms" in info:
                     self._generation.observe(info["runner_ms"] / 1000)
                     self._generated_tokens += info.get("tokens", 0)
             except Exception:  # a malformed record costs its own counts, not the batch's

@@ -1,27 +1,37 @@
-"""The hot path's memos: repeated request bodies, decoded records and rendered hit bodies.
+"""The hit path's memos: everything a repeated request may skip, and the rule that lets it.
 
-Every memo is bounded, and every entry is checked against what it was derived from, so a
-memo can only skip work, never change an answer:
-- parsed requests are reused only for the same body bytes, runner defaults and mode;
-- a decoded record only while the store returns the very same bytes;
-- a rendered hit body only for the same record object and delivery;
-- a repeat's whole hit only while the runner serves the same fingerprint and the store
-  returns the same bytes (`Repeat`).
+Each memo is bounded (entries and reported bytes, least recently used out first) and each
+remembered value is used only while what it was derived from is unchanged, so a memo can
+only skip work, never change an answer:
+
+- `ParseMemo` — parsed requests (`Parsed`) by (endpoint, body bytes) for bodies up to
+  MAX_MEMO_BODY. Valid while the runner's defaults are the very object they were parsed
+  under (a reload makes new ones) and the sampling mode is the same.
+- `DecodedRecords` — decoded records and their packed canonical request by key. Valid while
+  the store returns the very same bytes under that key.
+- `HitTemplates` — rendered hit bodies, with the response id and creation time left open
+  (`Template`), by (key, delivery, logprobs). Valid for the record object they were
+  rendered from.
+- `Repeats` — a whole HIT (`Repeat`: key, stored bytes, template, header block, log fields)
+  by (endpoint, cache scope, body bytes), for requests without Cache-Control. Valid while
+  no reload is in progress, the runner serves the very fingerprint object the HIT was keyed
+  under, the store's breaker is closed and the store still returns the same bytes under the
+  key (checked without I/O where the store holds its values in this process).
 """
 
 from __future__ import annotations
 
-import itertools
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-import orjson
+import msgpack
 
-from cacheproxy.errors import InvalidRequest
+from cacheproxy.keys import codec
 from cacheproxy.keys.canonical import Endpoint, Parsed, RunnerDefaults, parse
+from cacheproxy.keys.fields import decode_body
+from cacheproxy.keys.key import CacheKey
 from cacheproxy.observe.logs import SharedFields
 from policies.sampling import SamplingMode
 
@@ -67,14 +77,6 @@ class LRU(Generic[K, V]):
             self._bytes -= old[1]
 
 
-def decode_body(raw: bytes) -> object:
-    """JSON body -> Python; 400 on anything that is not JSON."""
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
-
-
 class ParseMemo:
     """Repeated identical bodies skip JSON decoding and canonicalization."""
 
@@ -89,7 +91,6 @@ class ParseMemo:
         """Same as canonical.parse(decode_body(raw), ...), remembered for small bodies."""
         memo_key = (endpoint, raw)
         known = self._memo.get(memo_key) if len(raw) <= MAX_MEMO_BODY else None
-        # Valid only under the same defaults object (a reload makes new ones) and mode.
         if known is not None and known[0] is defaults and known[1] == mode:
             return known[2]
         parsed = parse(decode_body(raw), endpoint, defaults, mode, max_tokens_cap=self._cap)
@@ -98,17 +99,23 @@ class ParseMemo:
         return parsed
 
 
-class ResponseIds:
-    """Unique response ids without a uuid4 per response: a random prefix and a counter."""
+class DecodedRecords:
+    """Stored bytes decoded once: the record and its canonical request, packed for the check
+    that it is this request's."""
 
-    def __init__(self) -> None:
-        self._prefix = os.urandom(6).hex()
-        self._counter = itertools.count()
+    def __init__(self, max_entries: int = 4096) -> None:
+        self._memo: LRU[str, tuple[bytes, codec.Record, bytes]] = LRU(max_entries)
 
-    def next(self, endpoint: Endpoint) -> str:
-        """`chatcmpl-…` or `cmpl-…`."""
-        head = "chatcmpl-" if endpoint == "chat" else "cmpl-"
-        return f"{head}{self._prefix}{next(self._counter):012x}"
+    def decode(self, key: str, data: bytes) -> tuple[codec.Record, bytes]:
+        """(record, packed request) of `data`; raises codec.CorruptRecord."""
+        known = self._memo.get(key)
+        if known is not None and known[0] == data:  # bytes compare identity first
+            return known[1], known[2]
+        record = codec.decode(data)
+        packed = msgpack.packb(record.request, use_bin_type=True)
+        # A decoded record takes a few times its encoded size in memory.
+        self._memo.put(key, (data, record, packed), size=4 * len(data))
+        return record, packed
 
 
 ID_MARK = "@@cacheproxy-id@@"
@@ -176,14 +183,11 @@ class HitTemplates:
 
 @dataclass(frozen=True, slots=True)
 class Repeat:
-    """Everything a HIT response to one exact request body needed, kept for its repeats.
+    """Everything a HIT response to one exact request body needed, kept for its repeats
+    (valid under the rule in the module docstring)."""
 
-    Valid only while the runner serves `fingerprint` (that very object) and the store still
-    returns `data` under `key`: then the full order of operations gives this same answer.
-    """
-
-    fingerprint: object
-    key: str
+    fingerprint: object  # the very Fingerprint object the HIT was keyed under
+    key: CacheKey
     data: bytes
     endpoint: Endpoint
     created_at: float
@@ -192,22 +196,37 @@ class Repeat:
     log: SharedFields  # the request's cache log fields
 
 
+RepeatKey = tuple[Endpoint, str, bytes]
+"""(endpoint, cache scope, raw body)."""
+
+
 class Repeats:
-    """Repeat requests by (endpoint, cache scope, raw body): their hit, without parsing."""
+    """Remembered HITs by (endpoint, cache scope, raw body)."""
 
     def __init__(self, max_entries: int = 4096, *, max_bytes: int = 64 << 20) -> None:
-        self._memo: LRU[tuple[Endpoint, str, bytes], Repeat] = LRU(max_entries, max_bytes=max_bytes)
+        self._memo: LRU[RepeatKey, Repeat] = LRU(max_entries, max_bytes=max_bytes)
 
-    def get(self, endpoint: Endpoint, scope: str, raw: bytes) -> Repeat | None:
+    def get(self, memo_key: RepeatKey) -> Repeat | None:
         """The remembered hit of exactly this request, if any."""
-        return self._memo.get((endpoint, scope, raw))
+        return self._memo.get(memo_key)
 
-    def remember(self, endpoint: Endpoint, scope: str, raw: bytes, repeat: Repeat) -> None:
+    def remember(self, memo_key: RepeatKey, repeat: Repeat) -> None:
         """Keep a hit for the repeats of a small request body."""
+        raw = memo_key[2]
         if len(raw) <= MAX_MEMO_BODY:
             size = len(raw) + len(repeat.data) + 2 * len(repeat.template.body)
-            self._memo.put((endpoint, scope, raw), repeat, size=size)
+            self._memo.put(memo_key, repeat, size=size)
 
-    def forget(self, endpoint: Endpoint, scope: str, raw: bytes) -> None:
+    def forget(self, memo_key: RepeatKey) -> None:
         """Drop an entry that no longer matches the store."""
-        self._memo.pop((endpoint, scope, raw))
+        self._memo.pop(memo_key)
+
+
+@dataclass(frozen=True, slots=True)
+class Memos:
+    """The memos of one service."""
+
+    parser: ParseMemo
+    decoded: DecodedRecords = field(default_factory=DecodedRecords)
+    templates: HitTemplates = field(default_factory=HitTemplates)
+    repeats: Repeats = field(default_factory=Repeats)

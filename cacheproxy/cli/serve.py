@@ -1,0 +1,176 @@
+"""`cacheproxy serve`: build the parts from the settings, hand them to the edge, run.
+
+The face is the only place that reads `Settings`: it builds the runner (in-process or an
+upstream pool), the store, the invalidator and the service, and the edge's options.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import resource
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+
+import structlog
+from aiohttp import web
+
+from backends import open_backend, redact_url
+from backends.base import Backend
+from cacheproxy.cli.settings import Settings
+from cacheproxy.edge.app import create_app
+from cacheproxy.edge.state import EdgeOptions
+from cacheproxy.observe.logs import BatchedLines
+from cacheproxy.runners.base import Runner
+from cacheproxy.runners.mlx import MlxOptions, MlxRunner
+from cacheproxy.runners.upstream import UpstreamOptions, UpstreamRunner
+from cacheproxy.service.invalidation import Invalidator
+from cacheproxy.service.proxy import CachingProxy, ServiceOptions
+
+log = structlog.get_logger("cacheproxy.serve")
+FILES_BESIDES_CONNECTIONS = 64  # store, upstream, model and log files
+
+
+def build_app(settings: Settings, *, runner: Runner | None = None,
+              store: Backend | None = None) -> web.Application:
+    """The application of `settings`; a given (already started) runner or store is used as
+    is and left running at shutdown."""
+    options = EdgeOptions(max_body_bytes=settings.max_body_bytes,
+                          cache_scope=settings.cache_scope, api_keys=settings.api_keys,
+                          admin_token=settings.admin_token,
+                          max_in_flight=settings.max_in_flight,
+                          store_label=redact_url(settings.store))
+    return create_app(options, partial(_parts, settings, runner, store))
+
+
+def service_options(settings: Settings) -> ServiceOptions:
+    """The service's knobs among the settings."""
+    return ServiceOptions(sampling=settings.sampling, max_tokens_cap=settings.max_tokens_cap,
+                          generation_timeout=settings.generation_timeout, ttl=settings.ttl,
+                          store_retry=settings.store_retry, lock_ttl=settings.lock_ttl)
+
+
+def build_runner(settings: Settings) -> Runner:
+    """In-process MLX, or the upstream mlx_lm.server pool when upstreams are given."""
+    if settings.upstream:
+        return UpstreamRunner(UpstreamOptions(
+            urls=settings.upstream, model_dir=Path(settings.model_dir),
+            model_id=settings.served_model_id, queue_size=settings.queue_size,
+            default_max_tokens=settings.default_max_tokens,
+            max_tokens_cap=settings.max_tokens_cap, device_scope=settings.device_scope,
+            digest_memo=Path(settings.digest_memo), timeout=settings.upstream_timeout))
+    return MlxRunner(MlxOptions(
+        model=settings.model, model_id=settings.served_model_id,
+        queue_size=settings.queue_size, default_max_tokens=settings.default_max_tokens,
+        max_tokens_cap=settings.max_tokens_cap, device_scope=settings.device_scope,
+        digest_memo=Path(settings.digest_memo)))
+
+
+@asynccontextmanager
+async def _parts(settings: Settings, runner: Runner | None, store: Backend | None
+                 ) -> AsyncIterator[tuple[CachingProxy, Invalidator]]:
+    the_store = store or open_backend(settings.store)  # a bad URL fails before loading
+    the_runner = runner or build_runner(settings)
+    proxy: CachingProxy | None = None
+    invalidator: Invalidator | None = None
+    try:
+        if runner is None:
+            await the_runner.start()
+        invalidator = Invalidator(the_runner, the_store, policy=settings.invalidation,
+                                  reload_wait=settings.reload_wait)
+        await invalidator.start(
+            watch_interval=settings.watch_interval if settings.watch else None)
+        if isinstance(the_runner, UpstreamRunner):  # it sees engine changes by itself
+            the_runner.on_fingerprint_change = invalidator.fingerprint_changed
+        proxy = CachingProxy(the_runner, the_store, service_options(settings),
+                             gate=invalidator.wait_ready, gate_open=invalidator.is_open)
+        log.info("serving", model=settings.served_model_id,
+                 fingerprint=the_runner.fingerprint().digest, store=redact_url(settings.store))
+        yield proxy, invalidator
+    finally:
+        if invalidator is not None:
+            await invalidator.aclose()
+        if proxy is not None:
+            await proxy.aclose()
+        # Tear down only what this started; injected parts belong to the caller.
+        if store is None:
+            await the_store.aclose()
+        if runner is None:
+            await the_runner.aclose()
+
+
+def serve(settings: Settings) -> int:
+    """Run the server until SIGINT/SIGTERM."""
+    import uvloop
+
+    from cacheproxy.observe import logs
+
+    files = resource.getrlimit(resource.RLIMIT_NOFILE)  # before mlx-lm is imported
+    batched = logs.configure(fmt=settings.log_format, level=settings.log_level)
+    uvloop.run(_serve(settings, batched, files))
+    return 0
+
+
+def restore_file_limit(before: tuple[int, int], max_connections: int) -> None:
+    """mlx-lm sets the open-file limit to (2048, 4096) when it is imported (mlx_lm/utils.py):
+    put back the limit the process started with, or as much of it as it may (raising a hard
+    limit takes privileges), and warn when that leaves too few for max_connections."""
+    now = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if now != before:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, before)
+        except (ValueError, OSError):  # the hard limit stays lowered: the soft one up to it
+            soft, hard = before[0], now[1]
+            if hard != resource.RLIM_INFINITY and (soft == resource.RLIM_INFINITY or soft > hard):
+                soft = hard
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY and soft < max_connections + FILES_BESIDES_CONNECTIONS:
+        print(f"cacheproxy: WARNING: the open-file limit ({soft}) leaves room for fewer than "
+              f"--max-connections {max_connections} client connections; raise it (ulimit -n) "
+              "or lower --max-connections", file=sys.stderr, flush=True)
+
+
+async def _serve(settings: Settings, batched: BatchedLines | None,
+                 files: tuple[int, int]) -> None:
+    from cacheproxy.edge.connections import limit_connections
+    from cacheproxy.observe import logs
+
+    flusher = asyncio.create_task(logs.flush_periodically(batched)) if batched else None
+    runner = web.AppRunner(build_app(settings), access_log=None)
+    await runner.setup()
+    if runner.server is not None:
+        limit_connections(runner.server, settings.max_connections)
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    restore_file_limit(files, settings.max_connections)  # the runner has imported mlx-lm
+    # The model, tokenizer and imports are ~100k long-lived objects: out of the collector's
+    # sight, a full collection no longer rescans them (it cost ~80 ms every ~20k hits).
+    gc.collect()
+    gc.freeze()
+    _announce(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        if flusher is not None:
+            flusher.cancel()
+            await asyncio.gather(flusher, return_exceptions=True)
+
+
+def _announce(settings: Settings) -> None:
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:
+        print(f"cacheproxy: WARNING: listening on {settings.host} without API keys: anyone who "
+              "can reach this address can generate and read cached answers "
+              "(set --api-key or CACHEPROXY_API_KEYS)", file=sys.stderr, flush=True)
+    print(f"cacheproxy serving {settings.served_model_id} on http://{settings.host}:"
+          f"{settings.port}/v1 (store {redact_url(settings.store)})", file=sys.stderr,
+          flush=True)
