@@ -1,7 +1,7 @@
 """Byte-level stores, opened from a URL.
 
 memory://?max_bytes=N, disk:///abs/dir?max_bytes=N, redis://host:port/db, rediss://…,
-unix:///path/redis.sock?db=N, redis+cluster://host:port (see backends.redis), and
+unix:///path/redis.sock?db=N, redis+cluster://host:port (see backends.redis_url), and
 tiered+<any of those>?l1_max_bytes=N&l1_ttl=S (see backends.tiered).
 """
 
@@ -23,8 +23,9 @@ from backends.base import (
 )
 from backends.disk import DEFAULT_DISK_MAX_BYTES, DiskBackend
 from backends.memory import DEFAULT_MEMORY_MAX_BYTES, MemoryBackend
-from backends.redis import SCHEMES as _REDIS_SCHEMES
-from backends.redis import RedisBackend, open_redis
+from backends.redis import RedisBackend
+from backends.redis_url import SCHEMES as _REDIS_SCHEMES
+from backends.redis_url import open_redis
 from backends.tiered import PREFIX as _TIERED_PREFIX
 from backends.tiered import TieredBackend, open_tiered
 

@@ -203,14 +203,8 @@ class DiskBackend:
             conn.execute("UPDATE entries SET accessed_at = ? WHERE key = ?", (now, key))
         return value
 
-    def _set(
-        self,
-        conn: sqlite3.Connection,
-        key: str,
-        value: bytes,
-        expires_at: float | None,
-        now: float,
-    ) -> None:
+    def _set(self, conn: sqlite3.Connection, key: str, value: bytes,
+             expires_at: float | None, now: float) -> None:
         size = entry_size(key, value)
         total = self._bytes
         with _transaction(conn):

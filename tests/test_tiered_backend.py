@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from backends import BackendError, MemoryBackend, TieredBackend, open_backend
-from backends.redis import open_redis
+from backends.redis_url import open_redis
 from tests.conftest import eventually
 from tests.conftest_redis import StartServer
 from tests.redis_servers import (

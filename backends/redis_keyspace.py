@@ -1,0 +1,92 @@
+"""The Redis commands that visit every primary: purge, scan and stats.
+
+Every other command of the Redis store touches a single key, so keys need no hash tags on a
+cluster; only these walk the whole keyspace (SCAN, in batches) or ask every primary (DBSIZE,
+INFO). Plain functions of a redis-py client: RedisBackend (backends/redis.py) calls them
+under its guard, which refuses a closed store, takes an in-flight slot and turns failures
+into BackendError. Evictions are the server's maxmemory policy, so the store's max_bytes
+(stats) is whatever maxmemory says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+
+from backends.base import PURGE_BATCH, StoreStatsResult
+
+Client = Redis | RedisCluster
+_SCAN_COUNT = 1000
+
+
+async def purge_namespace(client: Client, namespace: str) -> int:
+    """SCAN "<namespace>/*" on every primary and UNLINK in batches; return the count."""
+    removed = 0
+    async for batch in _batches(client, _glob_escape(namespace) + "/*"):
+        # On a cluster, unlink() splits the batch by slot into one pipeline.
+        removed += int(await client.unlink(*batch))
+    return removed
+
+
+async def scan(client: Client, prefix: str, *, after: str, limit: int) -> list[str]:
+    """Keys starting with prefix and greater than after, sorted, at most limit."""
+    keys: set[str] = set()
+    async for batch in _batches(client, _glob_escape(prefix) + "*"):
+        keys.update(k.decode(errors="replace") for k in batch)
+    return sorted(k for k in keys if k > after)[:limit]
+
+
+async def namespace_stats(client: Client, namespace: str) -> tuple[int, int]:
+    """(entries, key + value bytes) of one namespace, by SCAN and pipelined STRLEN."""
+    entries = total = 0
+    async for batch in _batches(client, _glob_escape(namespace) + "/*"):
+        pipe = client.pipeline(transaction=False)
+        for key in batch:
+            pipe.strlen(key)
+        # A key that expires between SCAN and STRLEN counts with 0 value bytes.
+        lengths = await pipe.execute()
+        entries += len(batch)
+        total += sum(len(k) for k in batch) + sum(int(n) for n in lengths)
+    return entries, total
+
+
+async def stats(client: Client) -> StoreStatsResult:
+    """DBSIZE entries and used_memory bytes, summed over primaries; maxmemory or None."""
+    sizes = await on_primaries(client, "DBSIZE")
+    infos = await on_primaries(client, "INFO", "memory")
+    bounds = [int(info.get("maxmemory", 0)) for info in infos]
+    return StoreStatsResult(
+        entries=sum(int(size) for size in sizes),
+        bytes=sum(int(info["used_memory"]) for info in infos),
+        max_bytes=sum(bounds) if all(bounds) else None,
+    )
+
+
+async def on_primaries(client: Client, *args: str) -> list[Any]:
+    """One command's reply from every primary (the one server's, if not a cluster)."""
+    if isinstance(client, RedisCluster):
+        return [
+            await client.execute_command(*args, target_nodes=node)
+            for node in client.get_primaries()
+        ]
+    return [await client.execute_command(*args)]  # type: ignore[no-untyped-call]
+
+
+async def _batches(client: Client, pattern: str) -> AsyncIterator[list[bytes]]:
+    """Distinct-enough batches of keys matching pattern (SCAN may repeat a key)."""
+    batch: list[bytes] = []
+    async for key in client.scan_iter(match=pattern, count=_SCAN_COUNT):
+        batch.append(key)
+        if len(batch) >= PURGE_BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _glob_escape(text: str) -> str:
+    """text as a literal inside a SCAN MATCH pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
