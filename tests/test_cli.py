@@ -180,6 +180,11 @@ def test_one_json_log_line_per_request_without_prompts(tmp_path: Path) -> None:
                 urllib.request.urlopen(req, timeout=30).read()
             with pytest.raises(urllib.error.HTTPError):
                 urllib.request.urlopen(url + "/nope", timeout=5)
+            too_long = json.dumps({"messages": [{"role": "user", "content": "fox " * 900}]})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(urllib.request.Request(
+                    url + "/v1/chat/completions", data=too_long.encode()), timeout=30)
+            assert refused.value.code == 400
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=20)
@@ -188,13 +193,17 @@ def test_one_json_log_line_per_request_without_prompts(tmp_path: Path) -> None:
     lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     requests = [e for e in lines if e["event"] == "request"]
     paths = [e["path"] for e in requests]
-    assert paths.count("/v1/chat/completions") == 2 and paths.count("/nope") == 1
-    chat = [e for e in requests if e["path"] == "/v1/chat/completions"]
+    assert paths.count("/v1/chat/completions") == 3 and paths.count("/nope") == 1
+    chat = [e for e in requests if e["path"] == "/v1/chat/completions" and e["status"] == 200]
     assert [e["cache"] for e in chat] == ["MISS", "HIT"]
     for e in chat:
         assert e["request_id"] == "req-42" and e["status"] == 200
         assert e["level"] == "info" and e["total_ms"] >= 0 and len(e["key"]) == 12
     assert next(e for e in requests if e["path"] == "/nope")["status"] == 404
+    # Every line is JSON but the start-up banner (the tokenizer's own warning too).
+    others = [line for line in text.splitlines() if not line.startswith("{")]
+    assert [line for line in others if not line.startswith("cacheproxy serving")] == []
+    assert any(e.get("logger", "").startswith("transformers") for e in lines)
 
 
 def test_connections_past_the_bound_get_503(tmp_path: Path) -> None:

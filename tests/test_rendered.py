@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer, make_mocked_request
 
-from cacheproxy.edge.prerendered import Rendered, header_lines
+from cacheproxy.edge.prerendered import Rendered, header_lines, missing_private_attributes
 from tests.conftest import free_port
 
 BODY = b'{"answer":"The fox eats bones. 100% sure."}'
@@ -189,3 +190,10 @@ async def test_a_header_or_request_id_added_later_is_checked_too() -> None:
 async def test_write_eof_before_prepare_is_an_error() -> None:
     with pytest.raises(RuntimeError, match="not been prepared"):
         await Rendered(b"", BODY).write_eof()
+
+
+def test_the_private_aiohttp_attributes_it_relies_on_exist() -> None:
+    missing = missing_private_attributes()
+    assert not missing, (
+        f"aiohttp {aiohttp.__version__} no longer has {', '.join(missing)}: "
+        "cacheproxy/edge/prerendered.py must follow what StreamResponse does now")

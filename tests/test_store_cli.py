@@ -104,7 +104,9 @@ async def test_stats_inspect_and_purge_through_the_cli(
     stats = json.loads(run("stats", "--store", store, "--json").stdout)
     (ns,) = stats["namespaces"]
     assert (ns["namespace"], ns["state"], ns["entries"]) == (digest, "current", len(REQUESTS))
-    assert "current" in run("stats", "--store", store).stdout
+    assert stats["entries"] == len(REQUESTS) and stats["keys"] == len(REQUESTS) + 1  # registry
+    readable = run("stats", "--store", store).stdout
+    assert "current" in readable and f": {len(REQUESTS)} entries in 1 namespace," in readable
 
     view = json.loads(run("inspect", keys[1], "--store", store, "--json").stdout)
     assert view["request"]["messages"] == [{"role": "user", "content": "Hello!"}]

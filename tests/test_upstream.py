@@ -32,7 +32,8 @@ from cacheproxy.edge.state import INVALIDATOR, PROXY
 from cacheproxy.keys.canonical import parse
 from cacheproxy.runners.demo.model import write_copy
 from cacheproxy.runners.pool import agree
-from cacheproxy.runners.upstream import UpstreamOptions, UpstreamRunner
+from cacheproxy.runners.upstream import UpstreamRunner
+from cacheproxy.runners.upstream_model import UpstreamOptions
 from cacheproxy.runners.upstream_stream import _Reader
 from cacheproxy.runners.upstream_wire import parse_system_fingerprint, rejection
 from policies.sampling import SamplingMode

@@ -8,76 +8,85 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from cacheproxy import __version__
 from cacheproxy.cli.settings import Settings, build_settings
 from cacheproxy.errors import UpstreamUnavailable
+
+# `serve` flags: (flag, argparse options); each is also CACHEPROXY_<DEST> (cli/settings.py).
+SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--host", {}),
+    ("--port", {"type": int}),
+    ("--model", {"help": "model directory or Hugging Face repo (default: demo)"}),
+    ("--model-id", {"help": "the name clients use"}),
+    ("--store", {"help": "memory://, disk:///path (default: user cache dir)"}),
+    ("--sampling", {"choices": ["force-greedy", "seeded", "bypass"]}),
+    ("--queue-size", {"type": int}),
+    ("--generation-timeout", {"type": float}),
+    ("--max-body-bytes", {"type": int}),
+    ("--default-max-tokens", {"type": int}),
+    ("--max-tokens-cap", {"type": int}),
+    ("--device-scope", {"action": "store_const", "const": True}),
+    ("--no-watch", {"dest": "watch", "action": "store_const", "const": False,
+                    "help": "do not watch the model files for changes"}),
+    ("--watch-interval", {"type": float}),
+    ("--reload-wait", {"type": float}),
+    ("--invalidation", {"choices": ["purge", "retain"]}),
+    ("--digest-memo", {}),
+    ("--ttl", {"type": float, "help": "seconds an entry lives (default: no expiry)"}),
+    ("--api-key", {"dest": "api_keys", "action": "append",
+                   "help": "accepted client API key (repeatable; env CACHEPROXY_API_KEYS)"}),
+    ("--cache-scope", {"choices": ["shared", "per-key"]}),
+    ("--max-in-flight", {"type": int, "help": "requests served at once before 503"}),
+    ("--max-connections", {"type": int,
+                           "help": "open client connections before new ones get 503"}),
+    ("--store-retry", {"type": float,
+                       "help": "seconds to answer without the store after a failure"}),
+    ("--lock-ttl", {"type": float,
+                    "help": "seconds a cross-replica fill lease lives unless renewed"}),
+    ("--upstream", {"action": "append", "metavar": "URL",
+                    "help": "generate on a running mlx_lm.server instead of in-process "
+                            "(repeatable: a pool; env CACHEPROXY_UPSTREAM, comma-separated)"}),
+    ("--model-dir", {"metavar": "PATH",
+                     "help": "with --upstream: the model directory the upstream serves"}),
+    ("--upstream-timeout", {"type": float,
+                            "help": "seconds to connect to an upstream, and its longest silence"}),
+    ("--log-format", {"choices": ["auto", "json", "console"]}),
+    ("--log-level", {}),
+)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cacheproxy", description=__doc__)
     parser.add_argument("--version", action="version", version=f"cacheproxy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-
     serve = sub.add_parser("serve", help="serve the OpenAI API with the cache in front")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
-    serve.add_argument("--model", help="model directory or Hugging Face repo (default: demo)")
-    serve.add_argument("--model-id", dest="model_id", help="the name clients use")
-    serve.add_argument("--store", help="memory://, disk:///path (default: user cache dir)")
-    serve.add_argument("--sampling", choices=["force-greedy", "seeded", "bypass"])
-    serve.add_argument("--queue-size", dest="queue_size", type=int)
-    serve.add_argument("--generation-timeout", dest="generation_timeout", type=float)
-    serve.add_argument("--max-body-bytes", dest="max_body_bytes", type=int)
-    serve.add_argument("--default-max-tokens", dest="default_max_tokens", type=int)
-    serve.add_argument("--max-tokens-cap", dest="max_tokens_cap", type=int)
-    serve.add_argument("--device-scope", dest="device_scope", action="store_const", const=True)
-    serve.add_argument("--no-watch", dest="watch", action="store_const", const=False,
-                       help="do not watch the model files for changes")
-    serve.add_argument("--watch-interval", dest="watch_interval", type=float)
-    serve.add_argument("--reload-wait", dest="reload_wait", type=float)
-    serve.add_argument("--invalidation", choices=["purge", "retain"])
-    serve.add_argument("--digest-memo", dest="digest_memo")
-    serve.add_argument("--ttl", type=float, help="seconds an entry lives (default: no expiry)")
-    serve.add_argument("--api-key", dest="api_keys", action="append",
-                       help="accepted client API key (repeatable; env CACHEPROXY_API_KEYS)")
-    serve.add_argument("--cache-scope", dest="cache_scope", choices=["shared", "per-key"])
-    serve.add_argument("--max-in-flight", dest="max_in_flight", type=int,
-                       help="requests served at once before 503")
-    serve.add_argument("--max-connections", dest="max_connections", type=int,
-                       help="open client connections before new ones get 503")
-    serve.add_argument("--store-retry", dest="store_retry", type=float,
-                       help="seconds to answer without the store after a failure")
-    serve.add_argument("--lock-ttl", dest="lock_ttl", type=float,
-                       help="seconds a cross-replica fill lease lives unless renewed")
-    serve.add_argument("--upstream", action="append", metavar="URL",
-                       help="generate on a running mlx_lm.server instead of in-process "
-                            "(repeatable: a pool; env CACHEPROXY_UPSTREAM, comma-separated)")
-    serve.add_argument("--model-dir", dest="model_dir", metavar="PATH",
-                       help="with --upstream: the model directory the upstream serves")
-    serve.add_argument("--upstream-timeout", dest="upstream_timeout", type=float,
-                       help="seconds to connect to an upstream, and its longest silence")
-    serve.add_argument("--log-format", dest="log_format", choices=["auto", "json", "console"])
-    serve.add_argument("--log-level", dest="log_level")
+    for flag, options in SERVE_FLAGS:
+        serve.add_argument(flag, **{"dest": flag[2:].replace("-", "_"), **options})
+    _add_model_commands(sub)
+    _add_store_commands(sub)
+    return parser
 
+
+def _add_model_commands(sub: Any) -> None:
     demo = sub.add_parser("demo-model", help="write a copy of the bundled demo model")
     demo.add_argument("--out", required=True, type=Path)
     demo.add_argument("--quantize", type=int, choices=[4, 8])
     demo.add_argument("--retrain", action="store_true", help="train from the recipe instead")
     demo.add_argument("--steps", type=int, help="training steps with --retrain")
-
     fpr = sub.add_parser("fingerprint", help="print the pinned configuration tuple as JSON")
     fpr.add_argument("--model", help="model directory (default: the demo model)")
 
+
+def _add_store_commands(sub: Any) -> None:
     st = sub.add_parser("stats", help="entries and bytes per namespace")
     st.add_argument("--store")
     st.add_argument("--json", action="store_true")
-
     ins = sub.add_parser("inspect", help="one entry with its provenance")
     ins.add_argument("key")
     ins.add_argument("--store")
     ins.add_argument("--json", action="store_true")
-
     pg = sub.add_parser("purge", help="remove entries")
     pg.add_argument("--store")
     what = pg.add_mutually_exclusive_group(required=True)
@@ -86,7 +95,6 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--key")
     what.add_argument("--all", action="store_true", help="everything (asks unless --yes)")
     pg.add_argument("--yes", action="store_true")
-
     vf = sub.add_parser("verify", help="replay stored entries and compare byte for byte")
     vf.add_argument("--store")
     vf.add_argument("--model", help="model directory or repo (default: the demo model)")
@@ -96,7 +104,6 @@ def _parser() -> argparse.ArgumentParser:
     vf.add_argument("--cross-fingerprint", action="store_true",
                     help="compare entries of another fingerprint (an upgrade audit)")
     vf.add_argument("--json", action="store_true")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,8 @@ from cacheproxy.edge.state import EdgeOptions
 from cacheproxy.observe.logs import BatchedLines
 from cacheproxy.runners.base import Runner
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
-from cacheproxy.runners.upstream import UpstreamOptions, UpstreamRunner
+from cacheproxy.runners.upstream import UpstreamRunner
+from cacheproxy.runners.upstream_model import UpstreamOptions
 from cacheproxy.service.invalidation import Invalidator
 from cacheproxy.service.proxy import CachingProxy, ServiceOptions
 

@@ -26,6 +26,7 @@ async def stats(url: str, *, as_json: bool, out: TextIO = sys.stdout) -> int:
     try:
         reports = await Registry(store).report()
         total = await store.stats() if isinstance(store, StoreStats) else None
+        registered = await store.get(REGISTRY_KEY) is not None
     finally:
         await store.aclose()
     rows: list[dict[str, Any]] = [
@@ -35,15 +36,19 @@ async def stats(url: str, *, as_json: bool, out: TextIO = sys.stdout) -> int:
              "engine": f"mlx-lm {r.namespace.fields.get('engine_version')} / "
                        f"mlx {r.namespace.fields.get('mlx_version')}"}
         for r in reports]
-    summary = {"store": url, "entries": total.entries if total else None,
+    # The store counts keys; the namespace registry is one of them but no cache entry.
+    entries = total.entries - registered if total else None
+    summary = {"store": url, "entries": entries, "keys": total.entries if total else None,
                "bytes": total.bytes if total else None,
                "max_bytes": total.max_bytes if total else None, "namespaces": rows,
                "hit_miss_counters": "not kept in the store; see GET /health of a running server"}
     if as_json:
         print(json.dumps(summary, indent=2), file=out)
         return 0
-    print(f"store {url}: {summary['entries']} entries, {summary['bytes']} bytes "
-          f"(bound {summary['max_bytes']})", file=out)
+    spaces = "namespace" if len(rows) == 1 else "namespaces"
+    print(f"store {url}: {entries} entries in {len(rows)} {spaces}, {summary['bytes']} bytes "
+          f"(bound {summary['max_bytes']}); {summary['keys']} keys with the namespace registry",
+          file=out)
     print(f"{'namespace':34} {'state':11} {'entries':>8} {'bytes':>10}  model / engine / last seen",
           file=out)
     for r in rows:

@@ -9,8 +9,12 @@ status, headers and body up front except for a few values (request id, Age, Date
 It follows what StreamResponse does for the same response: the request's HTTP version on
 the status line, the Connection header and keep-alive decision, Content-Length, Date and
 Server, headers set after construction (the edge's X-Request-Id), control characters in
-a header refused, no body in an answer to HEAD. Only for statuses that carry a body (not 1xx, 204
-or 304).
+a header refused, no body in an answer to HEAD. Only for statuses that carry a body (not
+1xx, 204 or 304).
+
+This is the one module that touches aiohttp's private attributes (`PRIVATE_ATTRIBUTES`);
+`missing_private_attributes()` says which of them an installed aiohttp lacks, and a test
+fails with that list when an upgrade changes them.
 """
 
 from __future__ import annotations
@@ -26,6 +30,21 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion, HttpVersion10, HttpVersion11
 
 _SERVER = f"Server: {SERVER_SOFTWARE}\r\n".encode()
+PRIVATE_ATTRIBUTES = {
+    "StreamResponse": ("_eof_sent", "_cookies", "_compression", "_chunked", "_keep_alive",
+                       "_status", "_reason", "_headers", "_body_length"),
+    "BaseRequest": ("_prepare_hook",),
+}
+
+
+def missing_private_attributes() -> list[str]:
+    """The private aiohttp attributes `Rendered` relies on that this aiohttp lacks."""
+    from aiohttp.test_utils import make_mocked_request
+
+    objects = {"StreamResponse": web.StreamResponse(),
+               "BaseRequest": make_mocked_request("GET", "/")}
+    return [f"{kind}.{name}" for kind, names in PRIVATE_ATTRIBUTES.items()
+            for name in names if not hasattr(objects[kind], name)]
 
 
 class HttpDate:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, MutableMapping
@@ -238,9 +239,33 @@ def configure(*, fmt: str = "auto", level: str = "info") -> BatchedLines | None:
             logger_factory=structlog.PrintLoggerFactory(sys.stderr),
             cache_logger_on_first_use=True,
         )
-    # aiohttp's own loggers: errors only (the access line is ours, one per request).
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s %(message)s")
+    _route_stdlib_logging(as_json, stamp)
     return batched
+
+
+def _route_stdlib_logging(as_json: bool, stamp: IsoTimestamp) -> None:
+    """Other libraries' log records (aiohttp, asyncio, transformers), warnings and up, in
+    the same format as ours: one JSON line each off a TTY."""
+    handler = logging.StreamHandler(sys.stderr)
+    if as_json:
+        handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                        structlog.processors.JSONRenderer()],
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, structlog.stdlib.add_log_level,
+                               stamp, structlog.processors.format_exc_info]))
+    else:
+        handler.setFormatter(logging.Formatter("%(name)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)  # the access line is ours, one per request
+    # transformers writes its own "[transformers] ..." lines (the tokenizer's warning of a
+    # prompt longer than the model's context, say) unless told to hand them to the root;
+    # its advice at import ("PyTorch was not found": mlx needs none) is not for operators.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
 
 
 async def flush_periodically(batched: BatchedLines) -> None:

@@ -18,10 +18,9 @@ A fill, in order:
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import orjson
@@ -33,41 +32,15 @@ from cacheproxy.keys.canonical import CanonicalRequest, RunnerDefaults
 from cacheproxy.keys.codec import Output
 from cacheproxy.keys.digests import DigestMemo
 from cacheproxy.runners.base import Failed, Finished, Generation, failure
-from cacheproxy.runners.mlx import ModelChanging
 from cacheproxy.runners.pool import Member, Pool, Retry, pick
 from cacheproxy.runners.upstream_http import UpstreamClient
+from cacheproxy.runners.upstream_model import ModelFiles, UpstreamOptions, read_model_files
 from cacheproxy.runners.upstream_stream import Unreachable
 from cacheproxy.runners.upstream_wire import Delta, Reading, path, request_body
-from cacheproxy.runners.watcher import Snapshot, snapshot
+from cacheproxy.runners.watcher import Snapshot
 
 log = structlog.get_logger("cacheproxy.upstream")
 ENGINE = "mlx_lm.server"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class UpstreamOptions:
-    """Knobs of the upstream runner. Times are float seconds."""
-
-    urls: tuple[str, ...]
-    model_dir: Path
-    model_id: str
-    queue_size: int = 64
-    default_max_tokens: int = 256
-    max_tokens_cap: int = 4096
-    device_scope: bool = False
-    digest_memo: Path | None = None
-    timeout: float = 30.0  # to connect, and the longest silence inside an answer
-    health_interval: float = 5.0
-    backoff: tuple[float, float] = (0.25, 10.0)  # first and longest retry delay of a dead member
-
-
-@dataclass(frozen=True, slots=True)
-class ModelFiles:
-    """The model directory as last fingerprinted (its engine fields are filled in later)."""
-
-    fingerprint: fp.Fingerprint
-    defaults: RunnerDefaults
-    snapshot: Snapshot
 
 
 class UpstreamRunner:
@@ -100,7 +73,7 @@ class UpstreamRunner:
         if pool.pinned is None:
             urls = ", ".join(m.url for m in pool.members)
             raise UpstreamUnavailable(f"no upstream answered at start-up ({urls})")
-        self._files = await asyncio.to_thread(self._fingerprint_files)
+        self._files = await asyncio.to_thread(read_model_files, self._options, self._memo)
         self._fingerprint = self._with_engine(self._files.fingerprint)
         await self._check_served_path(pool)
         pool.start_checking()
@@ -109,7 +82,7 @@ class UpstreamRunner:
         """Fingerprint the directory again and re-read every member's engine; on failure
         raise and keep the old state. (The upstreams do not re-read their files by
         themselves: restart them after replacing the model.)"""
-        files = await asyncio.to_thread(self._fingerprint_files)
+        files = await asyncio.to_thread(read_model_files, self._options, self._memo)
         await self._live_pool().refresh()  # the Invalidator registers any change: no announce
         self._files = files
         self._fingerprint = self._with_engine(files.fingerprint)
@@ -159,24 +132,6 @@ class UpstreamRunner:
         if self._client is None:
             raise RuntimeError("runner not started")
         return self._client
-
-    def _fingerprint_files(self) -> ModelFiles:
-        model_dir = self._options.model_dir
-        before = snapshot(model_dir)
-        config = json.loads((model_dir / "config.json").read_text())
-        context = int(config.get("max_position_embeddings") or 4096)
-        defaults = RunnerDefaults(
-            model_id=self._options.model_id,
-            aliases=frozenset({str(model_dir), str(model_dir.resolve())}),
-            max_tokens=min(self._options.default_max_tokens, context),
-            max_tokens_cap=self._options.max_tokens_cap,
-            context_length=context,
-            vocab_size=int(config["vocab_size"]) if "vocab_size" in config else None,
-        )
-        files = fp.compute(self._options.model_id, model_dir, memo=self._memo)
-        if snapshot(model_dir) != before:
-            raise ModelChanging(f"the files of {model_dir} changed while fingerprinting")
-        return ModelFiles(files, defaults, before)
 
     def _with_engine(self, files: fp.Fingerprint) -> fp.Fingerprint:
         engine = self._live_pool().pinned
