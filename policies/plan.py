@@ -4,19 +4,22 @@ Inputs: the sampling decision (may this answer be cached, and why), the request'
 Cache-Control directives, what the store lookup found (not looked up, store down, nothing,
 an entry of some age) and whether a shared fill of the same key is running now.
 
-| found                      | directives          | fill running | action     | status    |
-|----------------------------|---------------------|--------------|------------|-----------|
-| not looked up (uncacheable)| only-if-cached      |              | refuse     | -         |
-| not looked up (uncacheable)|                     |              | generate   | BYPASS    |
-| store down                 | only-if-cached      |              | refuse     | -         |
-| store down                 |                     |              | generate   | BYPASS    |
-| entry, usable              |                     |              | serve      | HIT       |
-| entry, too old / no-cache  | only-if-cached      |              | refuse     | -         |
-| entry, too old / no-cache  | (no-store: no store)|              | regenerate | MISS      |
-| nothing                    | only-if-cached      |              | refuse     | -         |
-| nothing                    | no-store            | no           | generate   | MISS      |
-| nothing                    |                     | yes          | follow     | COALESCED |
-| nothing                    |                     | no           | fill       | MISS      |
+Rows are tried in order; "any" matches every value of its column. A replaying server takes
+the same table and refuses every row that is not "serve" (not recorded).
+
+| found                       | directives           | fill running | action     | status    |
+|-----------------------------|----------------------|--------------|------------|-----------|
+| not looked up (uncacheable) | only-if-cached       | any          | (refused)  | -         |
+| not looked up (uncacheable) | any                  | any          | generate   | BYPASS    |
+| store down                  | only-if-cached       | any          | (refused)  | -         |
+| store down                  | any                  | any          | generate   | BYPASS    |
+| entry, usable               | any                  | any          | serve      | HIT       |
+| entry, too old / no-cache   | only-if-cached       | any          | (refused)  | -         |
+| entry, too old / no-cache   | any (no-store: kept) | any          | regenerate | MISS      |
+| nothing                     | only-if-cached       | any          | (refused)  | -         |
+| nothing                     | any                  | yes          | follow     | COALESCED |
+| nothing                     | no-store             | no           | generate   | MISS      |
+| nothing                     | any                  | no           | fill       | MISS      |
 """
 
 from __future__ import annotations
@@ -54,29 +57,46 @@ class Action(StrEnum):
     FOLLOW = "follow"  # join the shared fill already running
     REGENERATE = "regenerate"  # generate alone and replace the stored answer (unless no-store)
     GENERATE = "generate"  # generate alone, store nothing
-    REFUSE = "refuse"  # only-if-cached, and no stored answer may be served
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """The action, the status and reason it will be reported with, whether the answer will
-    be in the store, and (REFUSE) why."""
+    """The action, the status and reason it will be reported with, and whether the answer
+    will be in the store."""
 
     action: Action
     status: CacheStatus
     reason: Reason
     stores: bool
-    refusal: str = ""
 
 
-def _refuse(why: str, reason: Reason) -> Plan:
-    return Plan(Action.REFUSE, CacheStatus.MISS, reason, stores=False,
-                refusal=f"{why}, and only-if-cached was asked")
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """only-if-cached, and no stored answer may be served: why not."""
+
+    reason: Reason
+    why: str
+
+
+def _refuse(why: str, reason: Reason) -> Refusal:
+    return Refusal(reason, f"{why}, and only-if-cached was asked")
 
 
 def plan(decision: Decision, directives: RequestDirectives, lookup: Lookup, *,
-         fill_running: bool) -> Plan:
-    """The plan for a request (the table in the module docstring)."""
+         fill_running: bool, replay: bool = False) -> Plan | Refusal:
+    """The plan for a request (the table in the module docstring). A replaying server
+    (`replay`) never generates: whatever would, is a request that was not recorded."""
+    chosen = _plan(decision, directives, lookup, fill_running=fill_running)
+    if replay and isinstance(chosen, Plan) and chosen.action is not Action.SERVE:
+        if lookup.found is Found.STORE_DOWN:
+            return Refusal(Reason.STORE_UNAVAILABLE,
+                           "the store is unavailable, and this server only replays")
+        return Refusal(Reason.NOT_RECORDED, f"no recorded answer ({chosen.reason})")
+    return chosen
+
+
+def _plan(decision: Decision, directives: RequestDirectives, lookup: Lookup, *,
+          fill_running: bool) -> Plan | Refusal:
     never_generate = directives.only_if_cached
     if lookup.found is Found.NOT_LOOKED_UP:
         if never_generate:

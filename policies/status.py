@@ -32,3 +32,4 @@ class Reason(StrEnum):
     MAX_AGE = "max-age"
     NO_STORE = "no-store"
     FRESH = "fresh"  # a stored answer these directives allow
+    NOT_RECORDED = "not-recorded"  # a replaying server has no recorded answer

@@ -92,3 +92,66 @@ def test_modes_parse_from_their_names() -> None:
         SEEDED,
         BYPASS,
     ]
+
+
+# The plan step: one case per row of policies/plan.py's table, and the refusals.
+
+from policies.cache_control import RequestDirectives  # noqa: E402
+from policies.plan import Action, Found, Lookup, Plan, Refusal, plan  # noqa: E402
+from policies.status import CacheStatus, Reason  # noqa: E402
+
+CACHEABLE = Decision(True, Reason.GREEDY)
+NOT_CACHEABLE = Decision(False, Reason.SAMPLING)
+ONLY = RequestDirectives(only_if_cached=True)
+NO_STORE = RequestDirectives(no_store=True)
+NO_CACHE = RequestDirectives(no_cache=True)
+PLAIN = RequestDirectives()
+M, H, C, B = CacheStatus.MISS, CacheStatus.HIT, CacheStatus.COALESCED, CacheStatus.BYPASS
+
+
+@pytest.mark.parametrize(("decision", "directives", "lookup", "running", "expected"), [
+    (NOT_CACHEABLE, PLAIN, Lookup(Found.NOT_LOOKED_UP), False,
+     Plan(Action.GENERATE, B, Reason.SAMPLING, stores=False)),
+    (CACHEABLE, PLAIN, Lookup(Found.STORE_DOWN), True,
+     Plan(Action.GENERATE, B, Reason.STORE_UNAVAILABLE, stores=False)),
+    (CACHEABLE, PLAIN, Lookup(Found.ENTRY, 5.0), True,
+     Plan(Action.SERVE, H, Reason.GREEDY, stores=True)),
+    (CACHEABLE, RequestDirectives(max_age=10), Lookup(Found.ENTRY, 5.0), False,
+     Plan(Action.SERVE, H, Reason.GREEDY, stores=True)),
+    (CACHEABLE, RequestDirectives(max_age=1), Lookup(Found.ENTRY, 5.0), False,
+     Plan(Action.REGENERATE, M, Reason.MAX_AGE, stores=True)),
+    (CACHEABLE, NO_CACHE, Lookup(Found.ENTRY), False,
+     Plan(Action.REGENERATE, M, Reason.NO_CACHE, stores=True)),
+    (CACHEABLE, RequestDirectives(no_cache=True, no_store=True), Lookup(Found.ENTRY), False,
+     Plan(Action.REGENERATE, M, Reason.NO_CACHE, stores=False)),
+    (CACHEABLE, PLAIN, Lookup(Found.NOTHING), True,
+     Plan(Action.FOLLOW, C, Reason.GREEDY, stores=True)),
+    (CACHEABLE, NO_STORE, Lookup(Found.NOTHING), True,
+     Plan(Action.FOLLOW, C, Reason.GREEDY, stores=True)),
+    (CACHEABLE, NO_STORE, Lookup(Found.NOTHING), False,
+     Plan(Action.GENERATE, M, Reason.NO_STORE, stores=False)),
+    (CACHEABLE, PLAIN, Lookup(Found.NOTHING), False,
+     Plan(Action.FILL, M, Reason.GREEDY, stores=True)),
+    (Decision(True, Reason.SEEDED), PLAIN, Lookup(Found.NOTHING), False,
+     Plan(Action.FILL, M, Reason.SEEDED, stores=True)),
+])
+def test_the_plan_follows_its_table(decision: Decision, directives: RequestDirectives,
+                                    lookup: Lookup, running: bool, expected: Plan) -> None:
+    assert plan(decision, directives, lookup, fill_running=running) == expected
+
+
+@pytest.mark.parametrize(("decision", "lookup", "reason", "words"), [
+    (NOT_CACHEABLE, Lookup(Found.NOT_LOOKED_UP), Reason.SAMPLING, "never cached"),
+    (CACHEABLE, Lookup(Found.STORE_DOWN), Reason.STORE_UNAVAILABLE, "unavailable"),
+    (CACHEABLE, Lookup(Found.NOTHING), Reason.GREEDY, "no stored answer"),
+])
+def test_only_if_cached_refuses_whenever_nothing_may_be_served(
+    decision: Decision, lookup: Lookup, reason: Reason, words: str
+) -> None:
+    refused = plan(decision, ONLY, lookup, fill_running=True)
+    assert isinstance(refused, Refusal) and refused.reason is reason
+    assert words in refused.why and "only-if-cached" in refused.why
+    stale = plan(CACHEABLE, RequestDirectives(only_if_cached=True, no_cache=True),
+                 Lookup(Found.ENTRY), fill_running=False)
+    assert isinstance(stale, Refusal) and stale.reason is Reason.NO_CACHE
+    assert isinstance(plan(CACHEABLE, ONLY, Lookup(Found.ENTRY), fill_running=False), Plan)

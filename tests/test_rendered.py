@@ -12,7 +12,7 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer, make_mocked_request
 
-from cacheproxy.edge.prerendered import Rendered, header_lines, missing_private_attributes
+from cacheproxy.edge.aiohttp_adapter import Rendered, header_lines, missing_private_attributes
 from tests.conftest import free_port
 
 BODY = b'{"answer":"The fox eats bones. 100% sure."}'
@@ -193,7 +193,7 @@ async def test_write_eof_before_prepare_is_an_error() -> None:
 
 
 def test_the_private_aiohttp_attributes_it_relies_on_exist() -> None:
-    missing = missing_private_attributes()
+    missing = missing_private_attributes(make_mocked_request("GET", "/"))
     assert not missing, (
         f"aiohttp {aiohttp.__version__} no longer has {', '.join(missing)}: "
-        "cacheproxy/edge/prerendered.py must follow what StreamResponse does now")
+        "cacheproxy.edge.aiohttp_adapter.py must follow what StreamResponse does now")

@@ -1,1 +1,2 @@
-"""The HTTP edge: app, per-route wrapper, handlers, admin API, auth, rendering."""
+"""The HTTP edge: app and routes, the per-route wrapper, handlers, admin and operator endpoints,
+auth, rendering of OpenAI JSON and SSE, and the one adapter over aiohttp internals."""

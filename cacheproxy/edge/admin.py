@@ -11,6 +11,7 @@ from cacheproxy.edge.status import snapshot
 from cacheproxy.errors import InvalidRequest, RouteNotFound
 from cacheproxy.keys import codec
 from cacheproxy.keys.fields import decode_body
+from cacheproxy.service.cassette import Cassette
 from cacheproxy.service.namespaces import Registry
 
 
@@ -22,8 +23,6 @@ async def stats(request: web.Request) -> web.Response:
                            "state": r.namespace.state, "entries": r.entries, "bytes": r.bytes}
                           for r in reports]
     return json_response(data)
-
-
 
 
 async def entry(request: web.Request) -> web.Response:
@@ -70,3 +69,12 @@ async def purge(request: web.Request) -> web.Response:
     await registry.forget([d for d in targets if namespaces.get(d, None) is not None
                            and namespaces[d].state != "current"])
     return json_response({"removed": removed, "namespaces": targets})
+
+
+async def flush(request: web.Request) -> web.Response:
+    """POST /admin/flush: write a recording (jsonl:// store) to its file now."""
+    store = request.app[PROXY].store
+    if not isinstance(store, Cassette):
+        raise InvalidRequest("this store is no recording (jsonl://): it needs no flush")
+    return json_response({"written": await store.flush(), "path": str(store.path),
+                          "read_only": store.read_only})

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from cacheproxy.edge import admin, completions, info, status
+from cacheproxy.edge import admin, answers, info, status
 from cacheproxy.edge.auth import check_admin, client_identity
 from cacheproxy.edge.render import ResponseIds
 from cacheproxy.edge.route import Handler, Limits, edge, no_route
@@ -77,8 +77,9 @@ def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics) ->
     api = {"guard": api_guard if keys else None, "limits": limits,
            "record": metrics.tally.record}
     routes: list[tuple[str, str, Handler, dict[str, Any]]] = [
-        ("POST", "/v1/chat/completions", completions.chat_completions, api),
-        ("POST", "/v1/completions", completions.completions, api),
+        ("POST", "/v1/chat/completions", answers.chat_completions, api),
+        ("POST", "/v1/completions", answers.completions, api),
+        ("POST", "/v1/responses", answers.responses, api),
         ("GET", "/v1/models", info.models, api),
         ("GET", "/health", info.health, {}),
         ("GET", "/metrics", status.metrics, {}),
@@ -93,6 +94,7 @@ def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics) ->
             ("GET", "/admin/entries/{key:.+}", admin.entry, guard),
             ("DELETE", "/admin/entries/{key:.+}", admin.delete_entry, guard),
             ("POST", "/admin/purge", admin.purge, guard),
+            ("POST", "/admin/flush", admin.flush, guard),
         ]
     allowed: dict[str, set[str]] = {}
     for method, path, handler, route_options in routes:

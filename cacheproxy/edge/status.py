@@ -11,6 +11,7 @@ from backends.base import BackendError, StoreStats
 from backends.tiered import TieredBackend
 from cacheproxy.edge.route import json_response
 from cacheproxy.edge.state import INVALIDATOR, METRICS, OPTIONS, PROXY, STARTED
+from cacheproxy.service.namespaces import cache_entries
 from policies.status import CacheStatus
 
 
@@ -21,7 +22,8 @@ async def snapshot(app: web.Application) -> dict[str, Any]:
     if isinstance(proxy.store, StoreStats):
         try:
             s = await proxy.store.stats()
-            store.update(entries=s.entries, bytes=s.bytes, max_bytes=s.max_bytes)
+            store.update(entries=await cache_entries(proxy.store, s.entries), keys=s.entries,
+                         bytes=s.bytes, max_bytes=s.max_bytes)
         except BackendError as exc:
             store["error"] = str(exc)
     if isinstance(proxy.store, TieredBackend):

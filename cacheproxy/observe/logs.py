@@ -239,21 +239,38 @@ def configure(*, fmt: str = "auto", level: str = "info") -> BatchedLines | None:
             logger_factory=structlog.PrintLoggerFactory(sys.stderr),
             cache_logger_on_first_use=True,
         )
-    _route_stdlib_logging(as_json, stamp)
+    _route_stdlib_logging(batched, stamp)
     return batched
 
 
-def _route_stdlib_logging(as_json: bool, stamp: IsoTimestamp) -> None:
+class _ToBatch(logging.Handler):
+    """Another library's record as one more line of the batch, written at once with the
+    lines queued before it (so it never jumps ahead of them)."""
+
+    def __init__(self, batched: BatchedLines) -> None:
+        super().__init__()
+        self._batched = batched
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._batched.warning(self.format(record).encode())
+        except Exception:  # a log line must never break its caller
+            self.handleError(record)
+
+
+def _route_stdlib_logging(batched: BatchedLines | None, stamp: IsoTimestamp) -> None:
     """Other libraries' log records (aiohttp, asyncio, transformers), warnings and up, in
-    the same format as ours: one JSON line each off a TTY."""
-    handler = logging.StreamHandler(sys.stderr)
-    if as_json:
+    the same format as ours: one JSON line each, in the batch, off a TTY."""
+    handler: logging.Handler
+    if batched is not None:
+        handler = _ToBatch(batched)
         handler.setFormatter(structlog.stdlib.ProcessorFormatter(
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                        structlog.processors.JSONRenderer()],
+                        structlog.processors.JSONRenderer(serializer=_dumps)],
             foreign_pre_chain=[structlog.stdlib.add_logger_name, structlog.stdlib.add_log_level,
                                stamp, structlog.processors.format_exc_info]))
     else:
+        handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(name)s %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
@@ -262,10 +279,16 @@ def _route_stdlib_logging(as_json: bool, stamp: IsoTimestamp) -> None:
     # prompt longer than the model's context, say) unless told to hand them to the root;
     # its advice at import ("PyTorch was not found": mlx needs none) is not for operators.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    from transformers.utils import logging as hf_logging
-
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # not installed: nothing writes those lines
+        return
     hf_logging.disable_default_handler()
     hf_logging.enable_propagation()
+
+
+def _dumps(value: Any, **_: Any) -> str:
+    return orjson.dumps(value, default=repr).decode()
 
 
 async def flush_periodically(batched: BatchedLines) -> None:

@@ -104,8 +104,8 @@ class RequestTally(Collector):
         failed = 0
         for endpoint, status, seconds, info in batch:
             try:
-                cache = str(info.get("cache", "NONE"))  # an exact str: a JSON key later
-                self._requests[endpoint, cache, str(info.get("reason", "")), status] += 1
+                cache = info.get("cache", "NONE")  # a plain str (the CacheStatus value)
+                self._requests[endpoint, cache, info.get("reason", ""), status] += 1
                 self._latency[cache].observe(seconds)
                 if not info:
                     continue  # not an API request: no cache status, tokens or minutes

@@ -87,15 +87,14 @@ class Filler:
             raise
         flight.generation_ms = (time.monotonic() - started) * 1000
         if order.previous is not None:
-            same = order.previous.output.token_ids == output.token_ids and \
-                order.previous.output.text == output.text
+            same = codec.same_answer(order.previous.output, output)
             flight.revalidated = "match" if same else "mismatch"
         # Stored only under the producer it was keyed for: the model that ran it (a reload
         # between the key and the lane) and the one serving now (a change meanwhile).
         ran_on = generation.produced_by
         unchanged = self._runner.fingerprint().digest == order.fingerprint and \
             ran_on in (None, order.fingerprint)
-        if order.store and unchanged and output.finish_reason in ("stop", "length"):
+        if order.store and unchanged and output.finish_reason in codec.FINISHED:
             await self._storage.put(flight.key, self._record(order.request, output,
                                                              flight.generation_ms))
         flight.finish(output)

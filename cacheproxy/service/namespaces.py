@@ -42,6 +42,11 @@ class NamespaceReport:
     bytes: int
 
 
+async def cache_entries(store: Backend, keys: int) -> int:
+    """The cache entries among the `keys` a store counts: all but the registry record."""
+    return keys - (await store.get(REGISTRY_KEY) is not None)
+
+
 class Registry:
     """Read and update the registry record; every change is one read-modify-write."""
 

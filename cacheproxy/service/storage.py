@@ -65,7 +65,7 @@ class StoreAccess:
             return None
         return None if found is None else found[0]
 
-    async def get(self, key: str) -> bytes | None:
+    async def get(self, key: CacheKey) -> bytes | None:
         """The stored bytes; StoreUnavailable (not counted: the full path counts)."""
         return await self.guarded(self.store.get(key))
 
@@ -103,10 +103,10 @@ class StoreAccess:
         self.breaker.succeeded()
         return result
 
-    def failed(self, op: str, key: str, exc: StoreUnavailable, *, count: bool = True) -> None:
+    def failed(self, op: str, key: CacheKey, exc: StoreUnavailable, *, count: bool = True
+               ) -> None:
         """Log (and count) a store call that failed."""
         if count:
             self.counters["store_errors"] += 1
-        short = key.short if isinstance(key, CacheKey) else key[:12]
-        log.warning("store_unavailable", op=op, key=short, error=str(exc),
+        log.warning("store_unavailable", op=op, key=key.short, error=str(exc),
                     breaker=self.breaker.state)

@@ -1,4 +1,7 @@
-"""Responses whose head and body are rendered to bytes in advance, written in one call.
+"""The one module that leans on aiohttp's internals: pre-rendered responses, and the
+connection limit.
+
+Pre-rendered responses: head and body rendered to bytes in advance, written in one call.
 
 aiohttp's StreamResponse builds a CIMultiDict, checks and serializes every header and
 writes head and body through its stream writer on every response; measured on a cache
@@ -12,37 +15,46 @@ Server, headers set after construction (the edge's X-Request-Id), control charac
 a header refused, no body in an answer to HEAD. Only for statuses that carry a body (not
 1xx, 204 or 304).
 
-This is the one module that touches aiohttp's private attributes (`PRIVATE_ATTRIBUTES`);
+The connection limit: aiohttp's Server has no hook to refuse a connection, so
+`limit_connections` wraps `Server.connection_made`, which its RequestHandler calls for every
+new connection.
+
+What this relies on is listed in `PRIVATE_ATTRIBUTES` (and `Server.connection_made`);
 `missing_private_attributes()` says which of them an installed aiohttp lacks, and a test
 fails with that list when an upgrade changes them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import Iterable
 from email.utils import formatdate
 from functools import lru_cache
 
+import orjson
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion, HttpVersion10, HttpVersion11
+from aiohttp.web_protocol import RequestHandler
+
+from cacheproxy.errors import Overloaded
 
 _SERVER = f"Server: {SERVER_SOFTWARE}\r\n".encode()
 PRIVATE_ATTRIBUTES = {
     "StreamResponse": ("_eof_sent", "_cookies", "_compression", "_chunked", "_keep_alive",
                        "_status", "_reason", "_headers", "_body_length"),
     "BaseRequest": ("_prepare_hook",),
+    "Server": ("connection_made", "connections"),
 }
 
 
-def missing_private_attributes() -> list[str]:
-    """The private aiohttp attributes `Rendered` relies on that this aiohttp lacks."""
-    from aiohttp.test_utils import make_mocked_request
-
-    objects = {"StreamResponse": web.StreamResponse(),
-               "BaseRequest": make_mocked_request("GET", "/")}
+def missing_private_attributes(request: web.BaseRequest) -> list[str]:
+    """The aiohttp internals this module relies on that this aiohttp lacks (given any
+    request, such as aiohttp.test_utils.make_mocked_request's)."""
+    objects = {"StreamResponse": web.StreamResponse(), "BaseRequest": request,
+               "Server": web.Server}
     return [f"{kind}.{name}" for kind, names in PRIVATE_ATTRIBUTES.items()
             for name in names if not hasattr(objects[kind], name)]
 
@@ -143,3 +155,25 @@ class Rendered(web.StreamResponse):
             raise ValueError("a rendered response takes no more data")
         if not self._eof_sent:
             raise RuntimeError("the response has not been prepared")
+
+
+_BODY = orjson.dumps(Overloaded("too many open connections, retry later").body())
+REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\nContent-Length: "
+    + str(len(_BODY)).encode() + b"\r\n\r\n" + _BODY
+)
+
+
+def limit_connections(server: web.Server, max_connections: int) -> None:
+    """Refuse connections past `max_connections`, before any of their requests is read."""
+    admit = server.connection_made
+
+    def connection_made(handler: RequestHandler, transport: asyncio.Transport) -> None:
+        admit(handler, transport)
+        if len(server.connections) > max_connections:
+            transport.write(REFUSAL)
+            transport.close()
+
+    # aiohttp's Server has no hook for this; its handlers call server.connection_made.
+    server.connection_made = connection_made  # type: ignore[method-assign]
