@@ -15,28 +15,30 @@ CHAT = "/v1/chat/completions"
 OK_BODY = {"messages": [{"role": "user", "content": "Hello!"}]}
 LONG_PROMPT = "The cat eats fish. " * 200  # ~1000 tokens; the demo model's context is 512
 
+BAD = "invalid_request_error"
 CASES: list[tuple[str, str, str, bytes, int, str | None, str | None]] = [
     # (name, method, path, body, status, param, code)
-    ("malformed json", "POST", CHAT, b'{"messages": [', 400, None, None),
-    ("invalid utf-8", "POST", CHAT, b'{"messages": "\xff\xfe"}', 400, None, None),
-    ("not an object", "POST", CHAT, b"[1, 2]", 400, None, None),
-    ("messages wrong type", "POST", CHAT, b'{"messages": "hi"}', 400, "messages", None),
+    ("malformed json", "POST", CHAT, b'{"messages": [', 400, None, BAD),
+    ("invalid utf-8", "POST", CHAT, b'{"messages": "\xff\xfe"}', 400, None, BAD),
+    ("not an object", "POST", CHAT, b"[1, 2]", 400, None, BAD),
+    ("messages wrong type", "POST", CHAT, b'{"messages": "hi"}', 400, "messages", BAD),
     ("temperature wrong type", "POST", CHAT,
-     json.dumps({**OK_BODY, "temperature": "hot"}).encode(), 400, "temperature", None),
+     json.dumps({**OK_BODY, "temperature": "hot"}).encode(), 400, "temperature", BAD),
     ("max_tokens negative", "POST", CHAT,
-     json.dumps({**OK_BODY, "max_tokens": -1}).encode(), 400, "max_tokens", None),
+     json.dumps({**OK_BODY, "max_tokens": -1}).encode(), 400, "max_tokens", BAD),
     ("max_tokens huge", "POST", CHAT,
-     json.dumps({**OK_BODY, "max_tokens": 10**30}).encode(), 400, "max_tokens", None),
+     json.dumps({**OK_BODY, "max_tokens": 10**30}).encode(), 400, "max_tokens", BAD),
     ("stream wrong type", "POST", CHAT,
-     json.dumps({**OK_BODY, "stream": "yes"}).encode(), 400, "stream", None),
+     json.dumps({**OK_BODY, "stream": "yes"}).encode(), 400, "stream", BAD),
     ("bad role", "POST", CHAT,
      json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), 400,
-     "messages[0].role", None),
+     "messages[0].role", BAD),
     ("image part", "POST", CHAT, json.dumps({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}).encode(), 400,
      "messages[0].content", "unsupported_parameter"),
-    ("tools", "POST", CHAT, json.dumps({**OK_BODY, "tools": [{"type": "function"}]}).encode(),
-     400, "tools", "unsupported_parameter"),
+    ("tool without a function", "POST", CHAT,
+     json.dumps({**OK_BODY, "tools": [{"type": "function"}]}).encode(), 400,
+     "tools[0].function", BAD),
     ("unknown model", "POST", CHAT, json.dumps({**OK_BODY, "model": "gpt-9"}).encode(), 404,
      "model", "model_not_found"),
     ("prompt over context", "POST", "/v1/completions",
@@ -47,7 +49,7 @@ CASES: list[tuple[str, str, str, bytes, int, str | None, str | None]] = [
     ("unsupported endpoint", "POST", "/v1/embeddings", b"{}", 404, None, "not_found"),
     ("unknown path", "GET", "/nope", b"", 404, None, "not_found"),
     ("wrong method", "GET", CHAT, b"", 405, None, "method_not_allowed"),
-    ("deep nesting", "POST", CHAT, b"[" * 5000 + b"]" * 5000, 400, None, None),
+    ("deep nesting", "POST", CHAT, b"[" * 5000 + b"]" * 5000, 400, None, BAD),
 ]
 
 

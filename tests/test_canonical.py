@@ -188,7 +188,8 @@ def test_max_completion_tokens_wins_over_max_tokens() -> None:
         ({"messages": [{"content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "User", "content": "x"}]}, "messages[0].role"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "assistant", "content": 3}]}, "messages[0].content"),
         ({"messages": [{"role": None, "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": 1, "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role"),
@@ -281,6 +282,8 @@ def test_bad_stop(value: Any, error: type[ProxyError]) -> None:
         {"1.5": 1},
         {"": 1},
         {" 1": 1},
+        {"05": 1},
+        {"00": 1},
         {"²": 1},
         {"١": 1},
         {"１": 1},
@@ -302,21 +305,27 @@ def test_bad_logit_bias_values_are_rejected(value: Any) -> None:
         parse({**CHAT, "logit_bias": {"5": value}}, "chat", DEFAULTS, SEEDED)
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("functions", [{"name": "f"}]),
-        ("tool_choice", "auto"),
-        ("response_format", {"type": "json_object"}),
-    ],
-)
-@pytest.mark.parametrize("endpoint", ["chat", "completions"])
-def test_tools_and_response_format_are_unsupported(
-    field: str, value: Any, endpoint: Endpoint
-) -> None:
-    base = CHAT if endpoint == "chat" else COMPLETION
-    rejects({**base, field: value}, Unsupported, field, endpoint=endpoint)
+TOOL_FIELDS = [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("functions", [{"name": "f"}]),
+    ("tool_choice", "auto"),
+    ("response_format", {"type": "json_object"}),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), TOOL_FIELDS)
+def test_tools_and_response_format_are_unsupported_in_completions(field: str, value: Any
+                                                                   ) -> None:
+    rejects({**COMPLETION, field: value}, Unsupported, field, endpoint="completions")
+
+
+@pytest.mark.parametrize(("field", "value", "error"), [
+    *[(f, v, Unsupported) for f, v in TOOL_FIELDS if f != "tool_choice"],  # DEFAULTS: no parser
+    ("tool_choice", "auto", InvalidRequest),  # no tools to choose from
+])
+def test_chat_tools_need_a_model_that_parses_calls(field: str, value: Any,
+                                                   error: type[ProxyError]) -> None:
+    rejects({**CHAT, field: value}, error, field)
 
 
 @pytest.mark.parametrize(
@@ -371,7 +380,7 @@ def test_error_renders_openai_shape() -> None:
             "message": info.value.message,
             "type": "invalid_request_error",
             "param": "temperature",
-            "code": None,
+            "code": "invalid_request_error",
         }
     }
 

@@ -19,6 +19,7 @@ import pytest
 
 from cacheproxy.keys import fingerprint as fp
 from cacheproxy.runners.demo.model import BUNDLED_MODEL
+from cacheproxy.runners.mlx import local_fingerprint
 from tests.conftest import free_port
 
 CLI = [sys.executable, "-m", "cacheproxy"]
@@ -143,10 +144,11 @@ def test_bundled_demo_model_speaks_in_sentences() -> None:
 def test_fingerprint_command_prints_tuple_and_digest() -> None:
     out = subprocess.run([*CLI, "fingerprint"], check=True, capture_output=True, text=True)
     data = json.loads(out.stdout)
-    assert data["digest"] == fp.compute("cacheproxy-demo", BUNDLED_MODEL).digest
+    # What the in-process runner serves the demo model under (the grammar engine included).
+    assert data["digest"] == local_fingerprint("cacheproxy-demo", BUNDLED_MODEL).digest
     fields = data["fields"]
     for name in ("engine_version", "mlx_version", "weights_digest", "tokenizer_digest",
-                 "chat_template_digest", "config_digest", "quantization"):
+                 "chat_template_digest", "config_digest", "quantization", "grammar_engine"):
         assert fields[name] not in ("", None, "absent"), name
 
 

@@ -110,8 +110,12 @@ async def test_byte_tokens_never_split_a_character_and_never_crash(
     proxy = await make_proxy()
     # Push the demo model towards the two byte tokens of "é" (0xC3 0xA9): it emits them in
     # orders that make whole characters and invalid sequences alike.
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json"))
+    first, second = vocab.token_to_id("Ã"), vocab.token_to_id("©")  # byte-level 0xC3, 0xA9
     body = {"prompt": "The fox", "max_tokens": 12, "stream": True,
-            "logit_bias": {"131": 16, "106": 16}}
+            "logit_bias": {str(first): 100, str(second): 100}}
     pieces = []
     async with aiohttp.ClientSession() as session:
         async with session.post(proxy.url + "/v1/completions", json=body) as resp:
@@ -180,6 +184,20 @@ async def test_store_errors_are_misses_never_5xx(runner: MlxRunner) -> None:
                 session.get(f"http://127.0.0.1:{server.port}/metrics") as resp:
             metrics = await resp.text()
         assert "cacheproxy_store_breaker_open 1.0" in metrics
+    finally:
+        await server.close()
+
+
+async def test_a_replaying_server_with_its_store_down_says_so(runner: MlxRunner) -> None:
+    # (BrokenStore: a fake, as above.) Not a 404 not_recorded: it may well be recorded.
+    app = build_app(Settings(store="memory://", replay=True), runner=runner, store=BrokenStore())
+    server = TestServer(app, host="127.0.0.1", port=free_port())
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as session, session.post(
+                f"http://127.0.0.1:{server.port}{CHAT}", json=BODY) as resp:
+            assert resp.status == 503
+            assert (await resp.json())["error"]["code"] == "store_unavailable"
     finally:
         await server.close()
 

@@ -46,6 +46,19 @@ CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
 MODEL_ID = "demo-upstream"
 
 
+def _token(marker: str) -> str:
+    from tokenizers import Tokenizer
+
+    from cacheproxy.runners.demo.model import BUNDLED_MODEL
+
+    return str(Tokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json")).token_to_id(marker))
+
+
+# Long answers of plain text: no end, no thought, no tool call (mlx_lm.server holds a call's
+# tokens back until it closes, which a run-on call never does).
+TEXT_ONLY = {**NO_EOS, _token("<tool_call>"): -100, _token("<think>"): -100}
+
+
 def _chat(question: str, **extra: object) -> dict[str, Any]:
     return {"model": MODEL_ID, "messages": [{"role": "user", "content": question}],
             "max_tokens": 40, **extra}
@@ -208,6 +221,7 @@ async def test_upstream_is_sent_every_parameter_greedy_and_seeded(
         "presence_penalty": 0.0, "presence_context_size": 20, "frequency_penalty": 0.0,
         "frequency_context_size": 20, "xtc_probability": 0.0, "xtc_threshold": 0.0,
         "logit_bias": {}, "logprobs": False, "top_logprobs": 0, "stop": [],
+        "chat_template_kwargs": {"enable_thinking": True},  # the default, made explicit
     }
     assert (seeded["temperature"], seeded["seed"], seeded["top_k"]) == (0.8, 7, 5)
 
@@ -249,6 +263,109 @@ async def test_a_stop_string_is_read_live_and_the_upstream_hung_up_on_there(
             await asyncio.sleep(0.05)
     # Gathered, all 200 events would have been read before the cut was seen.
     assert len(recording.relayed) == 1 and recording.relayed[0] < 100, recording.relayed
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+def _calls(data: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    return [(c["id"], c["function"]["name"], orjson.loads(c["function"]["arguments"]))
+            for c in data["choices"][0]["message"].get("tool_calls") or []]
+
+
+async def _stream_calls(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
+                        ) -> tuple[str, list[tuple[str, str, dict[str, Any]]]]:
+    async with session.post(url, json={**body, "stream": True}) as resp:
+        calls = []
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                for choice in orjson.loads(line[6:]).get("choices", []):
+                    for c in (choice.get("delta") or {}).get("tool_calls") or []:
+                        calls.append((c["id"], c["function"]["name"],
+                                      orjson.loads(c["function"]["arguments"])))
+        return resp.headers.get("X-Cache", ""), calls
+
+
+async def test_tool_calls_through_mlx_lm_server_get_ids_of_their_own(
+    upstreams: list[Upstream], start_proxy: Callable[..., Awaitable[UpProxy]]
+) -> None:
+    proxy = await start_proxy([upstreams[0].url])
+    # (A question the demo model answers with a well-formed call without the proxy's grammar:
+    # mlx_lm.server drops a call that does not parse.)
+    body = {**_chat("Weather in Lima?", max_tokens=120), "tools": [WEATHER]}
+    async with aiohttp.ClientSession() as session:
+        direct = [await _post(session, upstreams[0].url + CHAT,
+                              {**body, "model": "default_model", "seed": 0}) for _ in range(2)]
+        first = await _post(session, proxy.url + CHAT, body)
+        second = await _post(session, proxy.url + CHAT, body)
+        streamed = await _stream_calls(session, proxy.url + CHAT, body)
+        forced = await _post(session, proxy.url + CHAT, {**body, "tool_choice": "required"})
+    # mlx_lm.server names every call anew (uuid4); the proxy's ids come from the key.
+    (a,), (b,) = _calls(direct[0][2]), _calls(direct[1][2])
+    assert a[1:] == b[1:] and a[1] == "get_weather" and a[0] != b[0]
+    assert (first[1], second[1]) == ("MISS", "HIT")
+    ((call_id, name, arguments),) = _calls(first[2])
+    assert (name, arguments) == a[1:]  # the upstream's call, with an id of the proxy's
+    assert call_id.startswith("call_") and _calls(second[2]) == _calls(first[2])
+    assert first[2]["choices"][0]["finish_reason"] == "tool_calls"
+    assert streamed == ("HIT", _calls(first[2]))
+    assert forced[0] == 400 and forced[2]["error"]["code"] == "unsupported_parameter"
+    assert forced[2]["error"]["param"] == "tool_choice"
+
+
+async def test_parallel_tool_calls_false_closes_the_upstream_stream_after_one_call(
+    upstreams: list[Upstream], start_proxy: Callable[..., Awaitable[UpProxy]]
+) -> None:
+    proxy = await start_proxy([upstreams[0].url])
+    body = {**_chat("Weather in Lima?", max_tokens=160),
+            "tools": [WEATHER]}
+    async with aiohttp.ClientSession() as session:
+        both = await _post(session, proxy.url + CHAT, body)
+        one = await _post(session, proxy.url + CHAT, {**body, "parallel_tool_calls": False})
+    assert _calls(both[2])
+    assert [c[1:] for c in _calls(one[2])] == [c[1:] for c in _calls(both[2])][:1]
+    assert one[2]["choices"][0]["finish_reason"] == "tool_calls"
+    assert one[2]["usage"]["prompt_tokens"] > 0
+
+
+async def test_a_call_in_the_answer_to_a_request_without_tools_stays_text(
+    upstreams: list[Upstream], start_proxy: Callable[..., Awaitable[UpProxy]],
+    relay: Callable[[str], Awaitable[Relay]],
+) -> None:
+    # mlx_lm.server parses calls whatever the request offered; a relay that offers the
+    # model a tool behind the proxy's back makes it call one (a fake: the demo model calls
+    # nothing it was not offered).
+    tampering = await relay(upstreams[0].url)
+    tampering.inject = {"tools": [WEATHER]}
+    proxy = await start_proxy([tampering.url])
+    body = _chat("Weather in Lima?", max_tokens=120)
+    async with aiohttp.ClientSession() as session:
+        status, cache, data = await _post(session, proxy.url + CHAT, body)
+    message = data["choices"][0]["message"]
+    assert (status, cache) == (200, "MISS") and not message.get("tool_calls")
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {' in message["content"]
+    assert message["content"].rstrip().endswith("</tool_call>")
+    assert data["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_the_responses_api_through_an_upstream_shares_the_chat_entry(
+    upstreams: list[Upstream], start_proxy: Callable[..., Awaitable[UpProxy]]
+) -> None:
+    proxy = await start_proxy([upstreams[0].url])
+    async with aiohttp.ClientSession() as session:
+        chat = _chat("Where does the wolf live?")
+        expected = await _direct(session, upstreams[0].url, chat)
+        body = {"model": MODEL_ID, "input": "Where does the wolf live?", "max_output_tokens": 40}
+        first = await _post(session, proxy.url + "/v1/responses", body)
+        second = await _post(session, proxy.url + CHAT, chat)
+        third = await _post(session, proxy.url + "/v1/responses", body)
+    assert (first[1], second[1], third[1]) == ("MISS", "HIT", "HIT")
+    message = next(i for i in first[2]["output"] if i["type"] == "message")
+    assert message["content"][0]["text"] == _content(second[2]) == expected
+    assert third[2]["output"] == first[2]["output"]
 
 
 async def test_pool_spreads_concurrent_misses(
@@ -299,7 +416,7 @@ async def test_engine_change_is_served_not_stored_and_rekeys(
         assert (await _post(session, proxy.url + CHAT, body))[1] == "MISS"
         upgraded.fingerprint = "9.9.9-9.9.9-Linux-fake"  # the upstream "restarted upgraded"
         status, cache, data = await _post(session, proxy.url + CHAT, _chat("Who is the owl?"))
-        assert (status, cache, data["choices"][0]["finish_reason"]) == (200, "MISS", "stop")
+        assert (status, cache) == (200, "MISS") and data["choices"][0]["finish_reason"]
         assert proxy.app[PROXY].runner.fingerprint().engine_version == "9.9.9"
         assert proxy.app[PROXY].runner.fingerprint().digest != old
         # Answered by the new engine under the old key: not stored there, and not here.
@@ -375,7 +492,7 @@ async def test_deltas_are_gathered_while_nobody_streams_them(
         counts, texts = [], []
         for live in (False, True):
             request = parse(_chat(f"Tell me about the owl (live: {live}).", max_tokens=120,
-                                  logit_bias=NO_EOS), "chat", runner.defaults(),
+                                  logit_bias=TEXT_ONLY), "chat", runner.defaults(),
                             SamplingMode.FORCE_GREEDY).request
             generation, chunks, reads[0] = runner.generate(request), [], 0
             if live:
@@ -383,7 +500,7 @@ async def test_deltas_are_gathered_while_nobody_streams_them(
             output = await generation.relay(chunks.append)
             counts.append(reads[0])
             texts.append(output.text)
-            assert len(chunks) == 120
+            assert len(chunks) > 60  # a token a chunk (but markup tokens: none)
             gone = weakref.ref(generation)
             await asyncio.sleep(0.01)  # the runner's task ends
             gc.disable()
@@ -408,7 +525,8 @@ async def test_a_streaming_follower_of_a_gathered_miss_gets_the_tokens_live(
     slow = await relay(upstreams[0].url)
     slow.stall_midway = 0.1  # a known moment after the first token: the proxy gathers
     proxy = await start_proxy([slow.url])
-    body = _chat("Once upon a time, the fox", max_tokens=300, logit_bias=NO_EOS)
+    body = _chat("Once upon a time, the fox", max_tokens=300, logit_bias=TEXT_ONLY,
+                 chat_template_kwargs={"enable_thinking": False})
     loop = asyncio.get_running_loop()
     async with aiohttp.ClientSession() as session:
         leader = asyncio.create_task(_post(session, proxy.url + CHAT, body))

@@ -70,8 +70,9 @@ class Relay:
     `fingerprint` rewrites the system_fingerprint of every answer (an upstream of another
     engine version, without installing one); `stall` delays answers, `stall_midway` pauses
     a stream after its first event (and sets `midway`); `reject` answers with (status,
-    body) instead of forwarding. Fakes, each used where a real mlx_lm.server cannot be made
-    to behave that way. `relayed` counts the events each stream passed on before it ended
+    body) instead of forwarding; `inject` merges fields into every forwarded POST body
+    (tools the client never offered). Fakes, each used where a real mlx_lm.server cannot be
+    made to behave that way. `relayed` counts the events each stream passed on before it ended
     or its reader hung up.
     """
 
@@ -81,6 +82,7 @@ class Relay:
     stall: float = 0.0
     stall_midway: float = 0.0
     reject: tuple[int, dict[str, Any]] | None = None
+    inject: dict[str, Any] | None = None
     url: str = ""
     relayed: list[int] = field(default_factory=list)
     midway: asyncio.Event = field(default_factory=asyncio.Event)
@@ -95,6 +97,8 @@ class Relay:
         body = await request.read()
         if request.method == "POST":
             self.bodies.append(orjson.loads(body))
+            if self.inject:
+                body = orjson.dumps({**orjson.loads(body), **self.inject})
         if self.stall and request.method == "POST":
             await asyncio.sleep(self.stall)
         if self.reject is not None and request.method == "POST":

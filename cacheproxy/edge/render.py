@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+import xxhash
 
-from cacheproxy.keys.canonical import Delivery, Endpoint
-from cacheproxy.keys.codec import Chunk, Output, TokenLogprob
+from cacheproxy.errors import ProxyError
+from cacheproxy.keys.canonical import Delivery, Endpoint, Route
+from cacheproxy.keys.codec import Chunk, Output, TokenLogprob, ToolCallOut
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +27,7 @@ class Frame:
     delivery: Delivery
     logprobs: bool
     cached: bool
+    key: str = ""  # the cache key: tool-call ids are derived from it
 
     @property
     def object(self) -> str:
@@ -42,6 +45,9 @@ class Frame:
         }
 
 
+_ID_HEADS = {"chat": "chatcmpl-", "completions": "cmpl-", "responses": "resp_"}
+
+
 class ResponseIds:
     """Unique response ids without a uuid4 per response: a random prefix and a counter."""
 
@@ -49,10 +55,9 @@ class ResponseIds:
         self._prefix = os.urandom(6).hex()
         self._counter = itertools.count()
 
-    def next(self, endpoint: Endpoint) -> str:
-        """`chatcmpl-…` or `cmpl-…`."""
-        head = "chatcmpl-" if endpoint == "chat" else "cmpl-"
-        return f"{head}{self._prefix}{next(self._counter):012x}"
+    def next(self, route: Route) -> str:
+        """`chatcmpl-…`, `cmpl-…` or `resp_…`."""
+        return f"{_ID_HEADS[route]}{self._prefix}{next(self._counter):012x}"
 
 
 def sse(events: list[dict[str, Any]]) -> bytes:
@@ -63,15 +68,39 @@ def sse(events: list[dict[str, Any]]) -> bytes:
 DONE = b"data: [DONE]\n\n"
 
 
+class ChatStream:
+    """The server-sent events of one chat or text completion, chunk by chunk."""
+
+    done = DONE
+
+    def __init__(self, frame: Frame) -> None:
+        self._frame = frame
+        self._offset = 0  # of the next chunk's text in the answer (text logprobs)
+
+    def start(self) -> bytes:
+        """The opening chunk (chat sends the assistant role first)."""
+        return sse(stream_start(self._frame))
+
+    def chunk(self, chunk: Chunk) -> bytes:
+        """One generated piece; nothing for a piece with nothing to show."""
+        event = stream_chunk(self._frame, chunk, self._offset)
+        self._offset += len(chunk.text)
+        return b"" if event is None else sse([event])
+
+    def error(self, error: ProxyError) -> bytes:
+        """A failure after the stream began, as the error object."""
+        return sse([error.body()])
+
+    def end(self, output: Output) -> bytes:
+        """The finish reason, and usage when asked."""
+        return sse(stream_end(self._frame, output))
+
+
 def whole_stream(frame: Frame, output: Output) -> bytes:
     """Every event of a stream at once (a hit replays the stored chunk boundaries)."""
-    events = stream_start(frame)
-    offset = 0
-    for chunk in output.chunks:
-        if (event := stream_chunk(frame, chunk, offset)) is not None:
-            events.append(event)
-        offset += len(chunk.text)
-    return sse([*events, *stream_end(frame, output)]) + DONE
+    stream = ChatStream(frame)
+    return stream.start() + b"".join(stream.chunk(c) for c in output.chunks) + \
+        stream.end(output) + DONE
 
 
 def usage(output: Output, cached: bool) -> dict[str, Any]:
@@ -108,6 +137,47 @@ def _text_logprobs(lps: tuple[TokenLogprob, ...], offset: int) -> dict[str, Any]
     }
 
 
+def call_id(key: str, choice: int, index: int) -> str:
+    """A tool call's id, the same on every answer of one key: a HIT, a regeneration, a
+    replay by `verify` (a random id would make every one of them another answer)."""
+    return "call_" + xxhash.xxh3_64_hexdigest(f"{key}/{choice}/{index}".encode())
+
+
+def _calls(frame: Frame, calls: tuple[ToolCallOut, ...], choice: int) -> dict[str, Any]:
+    """`tool_calls` (or the legacy `function_call`: its first call) of a message or delta."""
+    if frame.delivery.legacy_functions:
+        return {"function_call": {"name": calls[0].name, "arguments": calls[0].arguments}}
+    return {"tool_calls": [
+        {"index": c.index, "id": call_id(frame.key, choice, c.index), "type": "function",
+         "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+
+
+def _reasoning(text: str) -> dict[str, str]:
+    # `reasoning` as mlx_lm.server sends it; `reasoning_content` as DeepSeek and vLLM do,
+    # which the openai-agents chat model reads first.
+    return {"reasoning": text, "reasoning_content": text} if text else {}
+
+
+def finish_reason(frame: Frame, output: Output) -> str:
+    """The output's finish reason as the client's API names it."""
+    if output.finish_reason == "tool_calls" and frame.delivery.legacy_functions:
+        return "function_call"
+    return output.finish_reason
+
+
+def _message(frame: Frame, output: Output, choice: int) -> dict[str, Any]:
+    text, calls = output.text, output.tool_calls
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": text if text or not calls else None}
+    message.update(_reasoning(output.reasoning))
+    if calls:
+        message.update(_calls(frame, calls, choice))
+        if not frame.delivery.legacy_functions:
+            for call in message["tool_calls"]:
+                del call["index"]  # a whole message lists its calls in order
+    return message
+
+
 def body(frame: Frame, output: Output) -> dict[str, Any]:
     """A whole (non-stream) response."""
     text = output.text
@@ -117,13 +187,13 @@ def body(frame: Frame, output: Output) -> dict[str, Any]:
         if frame.endpoint == "chat":
             choice: dict[str, Any] = {
                 "index": i,
-                "message": {"role": "assistant", "content": text},
+                "message": _message(frame, output, i),
                 "logprobs": _chat_logprobs(lps) if frame.logprobs else None,
             }
         else:
             choice = {"index": i, "text": text,
                       "logprobs": _text_logprobs(lps, 0) if frame.logprobs else None}
-        choice["finish_reason"] = output.finish_reason
+        choice["finish_reason"] = finish_reason(frame, output)
         choices.append(choice)
     return {**frame.head(frame.object), "choices": choices, "usage": usage(output, frame.cached)}
 
@@ -133,37 +203,45 @@ def stream_start(frame: Frame) -> list[dict[str, Any]]:
     if frame.endpoint != "chat":
         return []
     delta = {"role": "assistant", "content": ""}
-    return [_chunk(frame, [{"delta": delta, "logprobs": None}])]
+    return [_chunk(frame, _each_choice(frame, {"delta": delta, "logprobs": None}))]
 
 
 def stream_chunk(frame: Frame, chunk: Chunk, offset: int) -> dict[str, Any] | None:
-    """One generated piece as a stream chunk; pieces with no text are not sent."""
-    if not chunk.text:
+    """One generated piece as a stream chunk; pieces with nothing to show are not sent."""
+    if not chunk.text and not chunk.reasoning and not chunk.tool_calls:
         return None
     if frame.endpoint == "chat":
         lp = _chat_logprobs(chunk.logprobs) if frame.logprobs else None
-        return _chunk(frame, [{"delta": {"content": chunk.text}, "logprobs": lp}])
+        parts = []
+        for i in range(frame.delivery.n):
+            delta: dict[str, Any] = {"content": chunk.text} if chunk.text else {}
+            delta.update(_reasoning(chunk.reasoning))
+            if chunk.tool_calls:
+                delta.update(_calls(frame, chunk.tool_calls, i))
+            parts.append({"index": i, "delta": delta, "logprobs": lp, "finish_reason": None})
+        return _chunk(frame, parts)
     lp = _text_logprobs(chunk.logprobs, offset) if frame.logprobs else None
-    return _chunk(frame, [{"text": chunk.text, "logprobs": lp}])
+    return _chunk(frame, _each_choice(frame, {"text": chunk.text, "logprobs": lp}))
 
 
 def stream_end(frame: Frame, output: Output) -> list[dict[str, Any]]:
     """The closing chunk with the finish reason, and usage when asked."""
     closing: dict[str, Any] = {"delta": {}} if frame.endpoint == "chat" else {"text": ""}
-    out = [_chunk(frame, [{**closing, "logprobs": None}], finish=output.finish_reason)]
+    finish = finish_reason(frame, output)
+    out = [_chunk(frame, _each_choice(frame, {**closing, "logprobs": None}, finish))]
     if frame.delivery.include_usage:
         obj = "chat.completion.chunk" if frame.endpoint == "chat" else "text_completion"
         out.append({**frame.head(obj), "choices": [], "usage": usage(output, frame.cached)})
     return out
 
 
-def _chunk(frame: Frame, parts: list[dict[str, Any]], finish: str | None = None) -> dict[str, Any]:
+def _each_choice(frame: Frame, part: dict[str, Any], finish: str | None = None
+                 ) -> list[dict[str, Any]]:
+    return [{"index": i, **part, "finish_reason": finish} for i in range(frame.delivery.n)]
+
+
+def _chunk(frame: Frame, choices: list[dict[str, Any]]) -> dict[str, Any]:
     obj = "chat.completion.chunk" if frame.endpoint == "chat" else "text_completion"
-    choices = [
-        {"index": i, **part, "finish_reason": finish}
-        for i in range(frame.delivery.n)
-        for part in parts
-    ]
     out = {**frame.head(obj), "choices": choices}
     if frame.delivery.include_usage:
         out["usage"] = None

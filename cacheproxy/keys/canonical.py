@@ -14,19 +14,18 @@ from typing import Any, Literal
 import msgpack
 
 from cacheproxy.errors import InvalidRequest, ModelNotFound, Unsupported
-from cacheproxy.keys import fields
+from cacheproxy.keys import fields, grammar
+from cacheproxy.keys import tools as tooling
+from cacheproxy.keys.messages import ROLES, Message, messages
+from cacheproxy.keys.tools import Tool
 from policies.sampling import Sampling, SamplingMode, SamplingOutcome, resolve_sampling
 
 Endpoint = Literal["chat", "completions"]
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """One chat turn, content flattened to text."""
-
-    role: str
-    content: str
+"""What the canonical request is: a chat or a text completion."""
+Route = Literal["chat", "completions", "responses"]
+"""Which API a request came through (and is answered in): the Responses API asks for chats."""
+__all__ = ["ROLES", "CanonicalRequest", "Delivery", "Endpoint", "Message", "Parsed", "Route",
+           "RunnerDefaults", "parse"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +38,14 @@ class RunnerDefaults:
     max_tokens_cap: int
     context_length: int
     vocab_size: int | None = None  # None: unknown, token ids are checked by the runner
+    # What the chat template gets when a request sets no chat_template_kwargs (mlx-lm's
+    # own default: enable_thinking, true when the model has a thinking marker), and the name
+    # the template knows the switch by (mlx-lm renames enable_thinking for some templates).
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    thinking_kwarg: str = "enable_thinking"
+    tool_calling: bool = False  # mlx-lm knows how to parse this model's tool calls
+    tool_format: str = ""  # mlx-lm's tool parser for it ("json_tools": JSON calls)
+    grammar_engine: str = ""  # what constrains decoding ("": nothing can, as upstream)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +65,12 @@ class CanonicalRequest:
     logit_bias: tuple[tuple[int, float], ...]
     logprobs: bool
     top_logprobs: int
+    tools: tuple[Tool, ...] = ()
+    tool_choice: str = "none"  # "auto", "none", "required", or "function" (tool_name)
+    tool_name: str = ""
+    parallel_tool_calls: bool = True
+    template_kwargs: str = "{}"  # canonical JSON object: chat_template_kwargs over defaults
+    response_format: str = ""  # canonical JSON of a non-text response_format (keys.grammar)
     packed: bytes = field(init=False, repr=False, compare=False)
     """msgpack of `wire()`, computed once: the key hashes it, a hit compares it."""
 
@@ -70,7 +83,7 @@ class CanonicalRequest:
         return {
             "endpoint": self.endpoint,
             "model": self.model,
-            "messages": [{"role": m.role, "content": m.content} for m in self.messages],
+            "messages": [m.wire() for m in self.messages],
             "prompt": self.prompt,
             "max_tokens": self.max_tokens,
             "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
@@ -82,15 +95,22 @@ class CanonicalRequest:
             "logit_bias": [list(b) for b in self.logit_bias],
             "logprobs": self.logprobs,
             "top_logprobs": self.top_logprobs,
+            "tools": [[t.name, t.description, t.parameters, t.strict] for t in self.tools],
+            "tool_choice": self.tool_choice,
+            "tool_name": self.tool_name,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "template_kwargs": self.template_kwargs,
+            "response_format": self.response_format,
         }
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> CanonicalRequest:
         """Inverse of `wire` (for replaying stored requests)."""
-        messages = tuple(Message(**m) for m in data["messages"])
+        messages = tuple(Message.from_wire(m) for m in data["messages"])
         bias = tuple((int(t), float(b)) for t, b in data["logit_bias"])
+        offered = tuple(Tool(*t) for t in data.get("tools", ()))
         return cls(**{**data, "messages": messages, "sampling": Sampling(**data["sampling"]),
-                      "stop": tuple(data["stop"]), "logit_bias": bias})
+                      "stop": tuple(data["stop"]), "logit_bias": bias, "tools": offered})
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +121,9 @@ class Delivery:
     include_usage: bool
     n: int
     requested_model: str
+    legacy_functions: bool = False  # asked with `functions`: answered with `function_call`
+    api: Route = "chat"  # the API the answer is rendered for
+    echo: bytes = b""  # JSON of what a Responses object repeats of its request
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,40 +133,6 @@ class Parsed:
     request: CanonicalRequest
     delivery: Delivery
     sampling: SamplingOutcome
-
-
-def _text_content(value: object, where: str) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        parts = []
-        for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise Unsupported(f"'{where}' supports only text parts", param=where)
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise InvalidRequest(f"'{where}' text parts need a string 'text'", param=where)
-            parts.append(text)
-        return "".join(parts)
-    raise InvalidRequest(f"'{where}' must be a string or a list of text parts", param=where)
-
-
-def _messages(body: Mapping[str, Any]) -> tuple[Message, ...]:
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise InvalidRequest("'messages' must be a non-empty list", param="messages")
-    out = []
-    for i, m in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise InvalidRequest(f"'{where}' must be an object", param=where)
-        role = ROLES.get(r) if isinstance(r := m.get("role"), str) else None
-        if role is None:
-            raise InvalidRequest(
-                f"'{where}.role' must be one of {sorted(ROLES)}", param=f"{where}.role"
-            )
-        out.append(Message(role, _text_content(m.get("content"), f"{where}.content")))
-    return tuple(out)
 
 
 def _prompt(body: Mapping[str, Any]) -> str:
@@ -161,8 +150,10 @@ def _logit_bias(body: Mapping[str, Any], vocab_size: int | None) -> tuple[tuple[
     raw = fields.obj(body, "logit_bias")
     bias = []
     for token in raw:
-        if not (token.isascii() and token.isdigit()):
-            raise InvalidRequest("'logit_bias' keys must be token ids", param="logit_bias")
+        # One spelling per token id ("5", never "05"): two spellings would be two keys.
+        if not (token.isascii() and token.isdigit()) or token != str(int(token)):
+            raise InvalidRequest("'logit_bias' keys must be token ids in decimal without "
+                                 "leading zeros", param="logit_bias")
         value = raw[token]
         numeric = isinstance(value, int | float) and not isinstance(value, bool)
         if not numeric or not -100 <= value <= 100:
@@ -185,18 +176,81 @@ def _logprobs(body: Mapping[str, Any], endpoint: Endpoint) -> tuple[bool, int]:
 
 
 def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
-    for name in ("tools", "functions"):
-        fields.reject_if_set(body, name, "this proxy serves plain text generation")
-    # The explicit defaults some SDKs send are harmless; anything else is refused.
-    if body.get("tool_choice") not in (None, "none"):
-        fields.reject_if_set(body, "tool_choice", "this proxy serves plain text generation")
-    if body.get("response_format") not in (None, {"type": "text"}):
-        fields.reject_if_set(body, "response_format", "only plain text output is supported")
     if endpoint == "completions":
+        for name in ("tools", "functions", "tool_choice", "function_call",
+                     "parallel_tool_calls", "chat_template_kwargs", "response_format"):
+            fields.reject_if_set(body, name, "it belongs to chat completions")
         fields.reject_if_set(body, "suffix", "the runner does not do fill-in-the-middle")
         fields.reject_if_set(body, "echo", "the prompt is not echoed")
         best_of = fields.integer(body, "best_of", 1, lo=1, hi=1)
         del best_of
+        return
+    # OpenAI parameters that would change the answer and that a text model cannot honour.
+    fields.reject_if_set(body, "audio", "the model answers in text only")
+    fields.reject_if_set(body, "web_search_options", "this server runs no web search")
+    fields.reject_if_set(body, "verbosity", "no chat template takes it (ask in the prompt)")
+    if body.get("modalities") not in (None, ["text"]):
+        raise Unsupported("'modalities' other than [\"text\"] is not supported: the model "
+                          "answers in text only", param="modalities")
+
+
+def _chat(body: Mapping[str, Any], defaults: RunnerDefaults) -> tuple[dict[str, Any], bool]:
+    """The chat fields of the canonical request, and whether tools came as `functions`.
+
+    Under tool_choice "none" the template is rendered without the tools (the model is
+    never offered them), so they leave the key; so does parallel_tool_calls without tools.
+    """
+    offered, legacy = tooling.tools(body)
+    choice, name = tooling.tool_choice(body, offered, legacy)
+    parallel = fields.boolean(body, "parallel_tool_calls", not legacy)
+    if legacy and parallel:
+        raise InvalidRequest("the legacy 'functions' make one call at most",
+                             param="parallel_tool_calls")
+    if choice == "none":
+        offered, parallel = (), True
+    if offered and not defaults.tool_calling:
+        raise Unsupported("this model's chat template has no tool-call format mlx-lm can "
+                          "parse, so tool calls could not be told from text",
+                          param="functions" if legacy else "tools")
+    chat = {"messages": messages(body), "tools": offered, "tool_choice": choice,
+            "tool_name": name, "parallel_tool_calls": parallel,
+            "template_kwargs": tooling.template_kwargs(body, defaults.template_kwargs,
+                                                      defaults.thinking_kwarg),
+            "response_format": _structured(body, offered, defaults)}
+    return chat, legacy
+
+
+def _structured(body: Mapping[str, Any], offered: tuple[Tool, ...],
+                defaults: RunnerDefaults) -> str:
+    """The canonical response_format, once strict tools and the format are known to be
+    enforceable by this runner."""
+    form = grammar.response_format(body)
+    strict = any(t.strict for t in offered)
+    if (form or strict) and not defaults.grammar_engine:
+        param = "response_format" if form else "tools"
+        raise Unsupported("this runner cannot constrain decoding (mlx_lm.server ignores "
+                          "response_format), so it cannot guarantee the schema", param=param)
+    if form and offered:
+        raise Unsupported("'response_format' together with tools is not supported: the answer "
+                          "would have to be either a call or the format", param="response_format")
+    if strict:
+        if defaults.tool_format != "json_tools":
+            raise Unsupported("strict tools need a model whose tool calls are JSON objects "
+                              f"(mlx-lm's json_tools format; this one: {defaults.tool_format})",
+                              param="tools")
+        grammar.check_strict(offered)
+    return form
+
+
+def _sampling(body: Mapping[str, Any], mode: SamplingMode) -> SamplingOutcome:
+    requested = Sampling(
+        temperature=fields.number(body, "temperature", 0.0, lo=0.0, hi=2.0),
+        top_p=fields.number(body, "top_p", 1.0, lo=0.0, hi=1.0),
+        top_k=fields.integer(body, "top_k", 0, lo=0, hi=1_000_000) or 0,
+        min_p=fields.number(body, "min_p", 0.0, lo=0.0, hi=1.0),
+        seed=fields.integer(body, "seed", None, lo=-(2**63), hi=2**64 - 1),
+    )
+    return resolve_sampling(requested, mode)
 
 
 def parse(
@@ -204,6 +258,14 @@ def parse(
     *, max_tokens_cap: int | None = None,
 ) -> Parsed:
     """Validate a decoded JSON body and build its canonical request."""
+    try:
+        return _parse(body, endpoint, defaults, mode, max_tokens_cap)
+    except RecursionError:  # a schema or kwargs nested hundreds deep: walked recursively
+        raise InvalidRequest("the request nests JSON too deeply to be read") from None
+
+
+def _parse(body: object, endpoint: Endpoint, defaults: RunnerDefaults, mode: SamplingMode,
+           max_tokens_cap: int | None) -> Parsed:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     _reject_unsupported(body, endpoint)
@@ -215,22 +277,16 @@ def parse(
     max_tokens = fields.integer(body, alias or "max_tokens", defaults.max_tokens, lo=1, hi=cap)
     stream = fields.boolean(body, "stream", False)
     options = fields.obj(body, "stream_options")
-    requested = Sampling(
-        temperature=fields.number(body, "temperature", 0.0, lo=0.0, hi=2.0),
-        top_p=fields.number(body, "top_p", 1.0, lo=0.0, hi=1.0),
-        top_k=fields.integer(body, "top_k", 0, lo=0, hi=1_000_000) or 0,
-        min_p=fields.number(body, "min_p", 0.0, lo=0.0, hi=1.0),
-        seed=fields.integer(body, "seed", None, lo=-(2**63), hi=2**64 - 1),
-    )
-    outcome = resolve_sampling(requested, mode)
+    outcome = _sampling(body, mode)
     n = fields.integer(body, "n", 1, lo=1, hi=16) or 1
     if n > 1 and not outcome.sampling.is_greedy:
         raise Unsupported("'n' > 1 needs greedy decoding (temperature 0)", param="n")
     logprobs, top_logprobs = _logprobs(body, endpoint)
+    chat, legacy = _chat(body, defaults) if endpoint == "chat" else ({}, False)
     request = CanonicalRequest(
         endpoint=endpoint,
         model=defaults.model_id,
-        messages=_messages(body) if endpoint == "chat" else (),
+        messages=chat.pop("messages", ()),
         prompt=_prompt(body) if endpoint == "completions" else "",
         max_tokens=max_tokens or defaults.max_tokens,
         sampling=outcome.sampling,
@@ -241,11 +297,14 @@ def parse(
         logit_bias=_logit_bias(body, defaults.vocab_size),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        **chat,
     )
     delivery = Delivery(
         stream=stream,
         include_usage=stream and fields.boolean(options, "include_usage", False),
         n=n,
         requested_model=model,
+        legacy_functions=legacy,
+        api=endpoint,
     )
     return Parsed(request, delivery, outcome)

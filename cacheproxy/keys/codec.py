@@ -9,7 +9,7 @@ import msgpack
 import xxhash
 
 MAGIC = b"CPR"
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: chunks carry reasoning and tool calls
 _HEADER = len(MAGIC) + 1 + 8
 
 
@@ -28,12 +28,25 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCallOut:
+    """A tool call the model made: its place among the answer's calls, the function and the
+    arguments as JSON text. Its id is not stored: it is derived from the key and `index`."""
+
+    index: int
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
 class Chunk:
-    """One streamed piece as generated: its text and the tokens that produced it."""
+    """One streamed piece as generated: its answer text, reasoning text and completed tool
+    calls, and the tokens that produced it."""
 
     text: str
     tokens: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
+    reasoning: str = ""
+    tool_calls: tuple[ToolCallOut, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +68,26 @@ class Output:
         """Every generated token id, in order."""
         return [t for c in self.chunks for t in c.tokens]
 
+    @property
+    def reasoning(self) -> str:
+        """The whole reasoning text (empty when the model did not think aloud)."""
+        return "".join(c.reasoning for c in self.chunks)
+
+    @property
+    def tool_calls(self) -> tuple[ToolCallOut, ...]:
+        """Every tool call, in order."""
+        return tuple(call for c in self.chunks for call in c.tool_calls)
+
+
+FINISHED = frozenset({"stop", "length", "tool_calls"})
+"""Finish reasons of a generation that ended normally (only these are stored)."""
+
+
+def same_answer(a: Output, b: Output) -> bool:
+    """Whether two outputs are the same answer: tokens, text, reasoning, calls, finish."""
+    return (a.token_ids == b.token_ids and a.text == b.text and a.reasoning == b.reasoning
+            and a.tool_calls == b.tool_calls and a.finish_reason == b.finish_reason)
+
 
 @dataclass(frozen=True, slots=True)
 class Record:
@@ -67,7 +100,8 @@ class Record:
 
 def _chunk_wire(c: Chunk) -> list[Any]:
     lps = [[lp.token, lp.text, lp.logprob, [list(t) for t in lp.top]] for lp in c.logprobs]
-    return [c.text, list(c.tokens), lps]
+    calls = [[call.index, call.name, call.arguments] for call in c.tool_calls]
+    return [c.text, list(c.tokens), lps, c.reasoning, calls]
 
 
 def _typed(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
@@ -77,14 +111,17 @@ def _typed(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
 
 
 def _chunk(w: list[Any]) -> Chunk:
-    text, tokens, lps = w
+    text, tokens, lps, reasoning, calls = w
     _typed(text, str, "chunk text")
+    _typed(reasoning, str, "chunk reasoning")
     for t in _typed(tokens, list, "chunk tokens"):
         _typed(t, int, "token id")
     logprobs = tuple(
         TokenLogprob(t, s, lp, tuple((a, b, c) for a, b, c in top)) for t, s, lp, top in lps
     )
-    return Chunk(text, tuple(tokens), logprobs)
+    tool_calls = tuple(ToolCallOut(_typed(i, int, "call index"), _typed(n, str, "call name"),
+                                   _typed(a, str, "call arguments")) for i, n, a in calls)
+    return Chunk(text, tuple(tokens), logprobs, reasoning, tool_calls)
 
 
 def encode(record: Record) -> bytes:
@@ -144,6 +181,9 @@ def record_view(key: str, record: Record) -> dict[str, Any]:
             "completion_tokens": o.completion_tokens,
             "token_ids": o.token_ids,
             "chunks": [c.text for c in o.chunks],
+            "reasoning": o.reasoning or None,
+            "tool_calls": [{"index": c.index, "name": c.name, "arguments": c.arguments}
+                           for c in o.tool_calls] or None,
             "logprobs": [[lp.token, lp.logprob] for c in o.chunks for lp in c.logprobs] or None,
         },
         "provenance": record.provenance,

@@ -51,6 +51,7 @@ class Fingerprint:
     chat_template_digest: str
     adapter_digest: str
     device: str
+    grammar_engine: str = ""  # what constrains decoding (structured outputs), with its version
     digest: str = field(init=False, repr=False, compare=False)
     """xxh3_128 over msgpack of the fields; computed once (it is on every request's path)."""
 
@@ -130,6 +131,7 @@ def compute(
     *,
     adapter_dir: Path | None = None,
     device: str = "",
+    grammar_engine: str = "",
     versions: VersionSource = installed_versions,
     memo: DigestMemo | None = None,
 ) -> Fingerprint:
@@ -154,4 +156,5 @@ def compute(
         chat_template_digest=xxhash.xxh3_128_hexdigest(template.encode()),
         adapter_digest=hash_files([p for p in adapters if p.is_file()]) if adapters else "",
         device=device,
+        grammar_engine=grammar_engine,
     )

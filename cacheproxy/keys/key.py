@@ -8,7 +8,7 @@ import xxhash
 from cacheproxy.keys.canonical import CanonicalRequest
 
 # Bump when the canonical form or the key layout changes: old entries become unreachable.
-KEY_SCHEMA = 1
+KEY_SCHEMA = 2
 
 
 class CacheKey(str):
@@ -43,8 +43,3 @@ def make_key(request: CanonicalRequest, fingerprint: str, *, scope: str = "") ->
     # 0x94 is a 4-array header; 0x95 makes the same bytes a 5-array with `packed` appended.
     payload = b"\x95" + head[1:] + request.packed
     return CacheKey(f"{fingerprint}/{xxhash.xxh3_128_hexdigest(payload)}")
-
-
-def namespace_of(key: str) -> str:
-    """The fingerprint digest a key lives under."""
-    return key.partition("/")[0]

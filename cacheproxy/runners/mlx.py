@@ -12,15 +12,25 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from cacheproxy.errors import ContextLengthExceeded, Overloaded
 from cacheproxy.keys import fingerprint as fp
 from cacheproxy.keys.canonical import CanonicalRequest, RunnerDefaults
-from cacheproxy.keys.codec import Output, TokenLogprob
+from cacheproxy.keys.codec import Chunk, Output
 from cacheproxy.keys.digests import DigestMemo
+from cacheproxy.keys.grammar import engine_version
+from cacheproxy.runners import decoding
 from cacheproxy.runners.assembler import Assembler
 from cacheproxy.runners.base import Finished, Generation, failure
+from cacheproxy.runners.chat import (
+    ChatPrompt,
+    ChatSplit,
+    chat_prompt,
+    template_defaults,
+    thinking_kwarg,
+)
+from cacheproxy.runners.constrain import Grammars, constraint_for
 from cacheproxy.runners.watcher import Snapshot, snapshot
 
 PREFILL_STEP = 512
@@ -48,10 +58,20 @@ class Loaded:
     defaults: RunnerDefaults
     fingerprint: fp.Fingerprint
     snapshot: Snapshot
+    grammars: Grammars
 
 
 class ModelChanging(Exception):
     """The model's files changed during a load; the watcher retries once they are stable."""
+
+
+def local_fingerprint(model_id: str, path: Path, *, device: str = "",
+                      versions: fp.VersionSource = fp.installed_versions,
+                      memo: DigestMemo | None = None) -> fp.Fingerprint:
+    """The fingerprint the in-process runner serves a model directory under (without
+    loading it: `cacheproxy fingerprint` and `import` compute the same)."""
+    return fp.compute(model_id, path, device=device, grammar_engine=engine_version(),
+                      versions=versions, memo=memo)
 
 
 def resolve_model_path(model: str) -> Path:
@@ -121,13 +141,19 @@ class MlxRunner:
             max_tokens_cap=self._options.max_tokens_cap,
             context_length=context,
             vocab_size=int(config["vocab_size"]) if "vocab_size" in config else None,
+            template_kwargs=template_defaults(tokenizer),
+            thinking_kwarg=thinking_kwarg(tokenizer),
+            tool_calling=bool(tokenizer.has_tool_calling),
+            tool_format=str(tokenizer.init_kwargs.get("tool_parser_type") or ""),
+            grammar_engine=engine_version(),
         )
         device = _device() if self._options.device_scope else ""
-        fingerprint = fp.compute(self._options.model_id, path, device=device,
-                                 versions=self._versions, memo=self._memo)
+        fingerprint = local_fingerprint(self._options.model_id, path, device=device,
+                                        versions=self._versions, memo=self._memo)
         if snapshot(path) != before:
             raise ModelChanging(f"the files of {path} changed while loading")
-        return Loaded(model, tokenizer, defaults, fingerprint, before)
+        grammars = Grammars(tokenizer, int(config.get("vocab_size") or len(tokenizer.vocab)))
+        return Loaded(model, tokenizer, defaults, fingerprint, before, grammars)
 
     @property
     def loaded_snapshot(self) -> Snapshot:
@@ -146,6 +172,16 @@ class MlxRunner:
     def fingerprint(self) -> fp.Fingerprint:
         """The pinned tuple of the loaded model; valid after start()."""
         return self._current().fingerprint
+
+    @property
+    def tokenizer(self) -> Any:
+        """The loaded tokenizer (mlx-lm's TokenizerWrapper)."""
+        return self._current().tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """The width of the model's logits."""
+        return self._current().grammars.vocab_size
 
     def lane_state(self) -> dict[str, int]:
         """Queued jobs and whether one is generating."""
@@ -177,45 +213,60 @@ class MlxRunner:
         finally:
             self._busy = False
 
-    def _prompt_ids(self, tok: Any, request: CanonicalRequest) -> list[int]:
+    def _prompt(self, tok: Any, request: CanonicalRequest) -> tuple[ChatPrompt, Assembler]:
+        """The prompt's token ids, and the assembler that turns the answer into chunks."""
         if request.endpoint == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        return list(tok.encode(request.prompt, add_special_tokens=True))
+            prompt = chat_prompt(tok, request)
+            return prompt, Assembler(request.stop, ChatSplit(tok, request, prompt))
+        ids = list(tok.encode(request.prompt, add_special_tokens=True))
+        return ChatPrompt(ids), Assembler(request.stop)
 
     def _generate(self, request: CanonicalRequest, generation: Generation) -> Output:
+        loaded = self._current()  # fixed for this generation: a reload waits for the lane
+        generation.produced_by = loaded.fingerprint.digest
+        prompt, assembler = self._prompt(loaded.tokenizer, request)
+        context = loaded.defaults.context_length
+        if len(prompt.ids) >= context:
+            raise ContextLengthExceeded(
+                f"the prompt is {len(prompt.ids)} tokens; this model's context is {context} "
+                "tokens", param="messages" if request.endpoint == "chat" else "prompt")
+        self.generations += 1
+        steps = self._steps(loaded, request, prompt, min(request.max_tokens,
+                                                           context - len(prompt.ids)))
+        chunks, finish, count = self._decode(loaded.tokenizer, request, steps, assembler,
+                                             generation)
+        return Output(tuple(chunks), finish, len(prompt.ids), count)
+
+    def _steps(self, loaded: Loaded, request: CanonicalRequest, prompt: ChatPrompt,
+               max_tokens: int) -> Any:
         import mlx.core as mx
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
 
-        loaded = self._current()  # fixed for this generation: a reload waits for the lane
-        generation.produced_by = loaded.fingerprint.digest
-        model, tokenizer = loaded.model, loaded.tokenizer
-        prompt = self._prompt_ids(tokenizer, request)
-        context = loaded.defaults.context_length
-        if len(prompt) >= context:
-            raise ContextLengthExceeded(
-                f"the prompt is {len(prompt)} tokens; this model's context is {context} tokens",
-                param="messages" if request.endpoint == "chat" else "prompt",
-            )
-        self.generations += 1
-        sampler, processors = _sampling(request)
+        sampler, processors = decoding.sampling(request)
+        constraint = constraint_for(loaded.grammars, loaded.tokenizer, request, prompt.opening,
+                                    prompt.initial_state) if request.endpoint == "chat" else None
+        if constraint is not None:
+            processors = [*processors, constraint]  # last: nothing reopens a masked token
+        return generate_step(
+            mx.array(prompt.ids), loaded.model, max_tokens=max_tokens, sampler=sampler,
+            logits_processors=processors,
+            prompt_cache=make_prompt_cache(loaded.model),  # cold prefill, every time
+            prefill_step_size=PREFILL_STEP)
+
+    def _decode(self, tokenizer: Any, request: CanonicalRequest, steps: Any,
+                assembler: Assembler, generation: Generation) -> tuple[list[Chunk], str, int]:
+        """Detokenize and assemble the generated tokens; (chunks, finish reason, count)."""
         detok = tokenizer.detokenizer
         detok.reset()
-        assembler = Assembler(request.stop)
         eos = tokenizer.eos_token_ids
-        finish, count = "length", 0
-        steps = generate_step(
-            mx.array(prompt),
-            model,
-            max_tokens=min(request.max_tokens, context - len(prompt)),
-            sampler=sampler,
-            logits_processors=processors,
-            prompt_cache=make_prompt_cache(model),  # cold prefill, every time
-            prefill_step_size=PREFILL_STEP,
-        )
-        chunks = []
+        finish, count, chunks = "length", 0, []
+
+        def publish(chunk: Chunk | None) -> None:
+            if chunk is not None:
+                chunks.append(chunk)
+                generation.push(chunk)
+
         for step_token, logprobs in steps:
             token = int(step_token)
             if generation.cancelled:
@@ -226,21 +277,17 @@ class MlxRunner:
                 break
             count += 1
             detok.add_token(token)
-            lp = _logprob(tokenizer, token, logprobs, request.top_logprobs) if request.logprobs \
-                else None
-            chunk = assembler.add(token, detok.last_segment, lp)
-            if chunk is not None:
-                chunks.append(chunk)
-                generation.push(chunk)
+            lp = decoding.logprob(tokenizer, token, logprobs, request.top_logprobs) \
+                if request.logprobs else None
+            publish(assembler.add(token, detok.last_segment, lp))
             if assembler.stopped:
                 finish = "stop"
                 break
         detok.finalize()
-        tail = assembler.finish(detok.last_segment)
-        if tail is not None:
-            chunks.append(tail)
-            generation.push(tail)
-        return Output(tuple(chunks), finish, len(prompt), count)
+        publish(assembler.finish(detok.last_segment, eos=finish == "stop"))
+        if finish == "stop" and any(c.tool_calls for c in chunks):
+            finish = "tool_calls"
+        return chunks, finish, count
 
     async def aclose(self) -> None:
         """Stop accepting work and wait for the lane thread to finish.
@@ -251,36 +298,6 @@ class MlxRunner:
         """
         self._lane.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self._lane.shutdown, wait=True)
-
-
-def _sampling(request: CanonicalRequest) -> tuple[Any, list[Any]]:
-    import mlx.core as mx
-    from mlx_lm.sample_utils import make_logits_processors, make_sampler
-
-    s = request.sampling
-    if not s.is_greedy and s.seed is not None:
-        # Seeded on the one lane, batch of one: the sampled answer is reproducible.
-        mx.random.seed(s.seed % 2**64)
-    sampler = make_sampler(s.temperature, top_p=s.top_p if s.top_p < 1 else 0.0,
-                           min_p=s.min_p, top_k=s.top_k)
-    processors = make_logits_processors(
-        logit_bias=dict(request.logit_bias) or None,
-        repetition_penalty=request.repetition_penalty if request.repetition_penalty != 1 else None,
-        presence_penalty=request.presence_penalty or None,
-        frequency_penalty=request.frequency_penalty or None,
-    )
-    return sampler, processors
-
-
-def _logprob(tokenizer: Any, token: int, logprobs: Any, top: int) -> TokenLogprob:
-    import mlx.core as mx
-
-    decode = tokenizer.decode
-    alternatives: tuple[tuple[int, str, float], ...] = ()
-    if top:
-        ids = cast(list[int], mx.argsort(-logprobs)[:top].tolist())
-        alternatives = tuple((i, decode([i]), float(logprobs[i].item())) for i in ids)
-    return TokenLogprob(token, decode([token]), float(logprobs[token].item()), alternatives)
 
 
 def _device() -> str:

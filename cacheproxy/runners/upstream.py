@@ -166,6 +166,10 @@ class UpstreamRunner:
         if request.logprobs:
             raise Unsupported("logprobs are not available through an upstream mlx_lm.server "
                               "(its stream carries none)", param="logprobs")
+        if request.tool_choice in ("required", "function"):
+            raise Unsupported("mlx_lm.server ignores tool_choice and takes no prefilled answer, "
+                              "so upstream mode cannot force a tool call (the in-process "
+                              "runner can)", param="tool_choice")
         member = pick(self._live_pool().members)
         if member is None:
             raise UpstreamUnavailable("no upstream may serve: every one runs another engine")
@@ -223,7 +227,8 @@ class UpstreamRunner:
         It reads to the end whoever listens: the fill runs detached from its clients, and
         mlx_lm.server would cancel the generation if this connection went away.
         """
-        pool, reading = self._live_pool(), Reading(generation, request.stop)
+        pool = self._live_pool()
+        reading = Reading(generation, request, self._current().call_markers)
         self.generations += 1
 
         def take(d: Delta) -> bool | None:
@@ -232,11 +237,11 @@ class UpstreamRunner:
                 return None
             return generation.cancelled or reading.take(d)
 
-        # Gathered while nobody streams it, unless a stop string may cut it short: that
-        # must be seen as it comes, to stop the upstream there.
+        # Gathered while nobody streams it, unless the proxy may cut it short (a stop string,
+        # the one tool call): that must be seen as it comes, to stop the upstream there.
         events = self._live_client().stream(member.url, path(request),
                                             orjson.dumps(request_body(request)), take,
-                                            None if request.stop else generation.live)
+                                            None if reading.may_cut else generation.live)
         try:
             async with aclosing(events):
                 async for batch in events:
@@ -273,10 +278,10 @@ class UpstreamRunner:
         if not reading.finish:
             raise UpstreamUnavailable(f"the upstream {member.url} ended without a finish reason")
         usage = reading.usage
-        if reading.stopped or usage is None:
+        if reading.cut or usage is None:
             # The stream never reached its usage event. One delta is one token on
             # mlx_lm.server (a character split over tokens counts once); the prompt is asked.
-            self.stop_cuts += reading.stopped
+            self.stop_cuts += reading.cut
             usage = (await self._prompt_tokens(member, request), reading.deltas)
         return Output(tuple(reading.chunks), reading.finish, usage[0], usage[1])
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from cacheproxy.keys import fingerprint as fp
 from cacheproxy.keys.canonical import RunnerDefaults
 from cacheproxy.keys.digests import DigestMemo
+from cacheproxy.runners.chat import template_defaults, thinking_kwarg
 from cacheproxy.runners.mlx import ModelChanging
 from cacheproxy.runners.watcher import Snapshot, snapshot
 
@@ -42,12 +43,20 @@ class ModelFiles:
     fingerprint: fp.Fingerprint
     defaults: RunnerDefaults
     snapshot: Snapshot
+    call_markers: tuple[str, str] = ("", "")  # the template's tool-call opening and closing
 
 
 def read_model_files(options: UpstreamOptions, memo: DigestMemo) -> ModelFiles:
-    """Fingerprint the model directory and read its defaults (in a thread: it hashes)."""
+    """Fingerprint the model directory and read its defaults (in a thread: it hashes).
+
+    The tokenizer is loaded the way mlx_lm.server loads it, for what the canonical request
+    fills in for the upstream: the template's thinking default and whether tool calls parse.
+    """
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
     model_dir = options.model_dir
     before = snapshot(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     context = int(config.get("max_position_embeddings") or 4096)
     defaults = RunnerDefaults(
@@ -57,8 +66,12 @@ def read_model_files(options: UpstreamOptions, memo: DigestMemo) -> ModelFiles:
         max_tokens_cap=options.max_tokens_cap,
         context_length=context,
         vocab_size=int(config["vocab_size"]) if "vocab_size" in config else None,
+        template_kwargs=template_defaults(tokenizer),
+        thinking_kwarg=thinking_kwarg(tokenizer),
+        tool_calling=bool(tokenizer.has_tool_calling),
     )
     files = fp.compute(options.model_id, model_dir, memo=memo)
     if snapshot(model_dir) != before:
         raise ModelChanging(f"the files of {model_dir} changed while fingerprinting")
-    return ModelFiles(files, defaults, before)
+    markers = (tokenizer.tool_call_start or "", tokenizer.tool_call_end or "")
+    return ModelFiles(files, defaults, before, markers)

@@ -15,6 +15,7 @@ Facts of mlx_lm.server (0.32) this module is written against:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, NamedTuple
@@ -23,9 +24,10 @@ import orjson
 
 from cacheproxy.errors import ProxyError, UpstreamUnavailable
 from cacheproxy.keys.canonical import CanonicalRequest
-from cacheproxy.keys.codec import Chunk
+from cacheproxy.keys.codec import Chunk, ToolCallOut
 from cacheproxy.runners.assembler import Assembler
 from cacheproxy.runners.base import Generation
+from cacheproxy.runners.chat import template_inputs
 from policies.sampling import Sampling
 
 SERVED_MODEL = "default_model"
@@ -92,7 +94,13 @@ def request_body(request: CanonicalRequest) -> dict[str, Any]:
         "stop": [],  # applied by the proxy on the text: see the module docstring
     }
     if request.endpoint == "chat":
-        body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+        # As the in-process runner renders them; mlx_lm.server takes tool-call arguments as
+        # objects (or strings it decodes), and merges the kwargs over its own.
+        messages, tools, kwargs = template_inputs(request)
+        body["messages"] = messages
+        if tools:
+            body["tools"] = tools
+        body["chat_template_kwargs"] = kwargs
     else:
         body["prompt"] = request.prompt
     return body
@@ -136,16 +144,25 @@ class Delta(NamedTuple):
     finish_reason: str | None
     usage: tuple[int, int] | None  # (prompt, completion) tokens, on the last event
     fingerprint: str
+    reasoning: str = ""
+    calls: tuple[tuple[str, str], ...] = ()  # (name, arguments): mlx_lm.server's ids dropped
 
 
 def delta(event: dict[str, Any]) -> Delta:
-    """Text, finish reason, usage and system_fingerprint of a chat or text stream event."""
-    text, finish = "", None
+    """Text, finish reason, usage and system_fingerprint of a chat or text stream event,
+    and a chat event's reasoning and tool calls."""
+    text, finish, reasoning = "", None, ""
+    calls: tuple[tuple[str, str], ...] = ()
     choices = event.get("choices") or []
     if choices and isinstance(choices[0], dict):
         choice = choices[0]
         message = choice.get("delta")
-        text = (message.get("content") if isinstance(message, dict) else choice.get("text")) or ""
+        if isinstance(message, dict):
+            text = message.get("content") or ""
+            reasoning = str(message.get("reasoning") or "")
+            calls = _calls(message.get("tool_calls"))
+        else:
+            text = choice.get("text") or ""
         finish = choice.get("finish_reason")
     usage = event.get("usage")
     counts = None
@@ -154,7 +171,24 @@ def delta(event: dict[str, Any]) -> Delta:
         # prompt cache, not on the answer.
         counts = (int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
     return Delta(str(text), finish if isinstance(finish, str) else None, counts,
-                 str(event.get("system_fingerprint", "")))
+                 str(event.get("system_fingerprint", "")), reasoning, calls)
+
+
+def _calls(raw: object) -> tuple[tuple[str, str], ...]:
+    """mlx_lm.server sends each call whole, in one delta, with a random id (not kept)."""
+    if not raw:
+        return ()
+    if not isinstance(raw, list):
+        raise UpstreamUnavailable("the upstream sent tool_calls that are not a list")
+    out = []
+    for call in raw:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise UpstreamUnavailable("the upstream sent a tool call without a function name")
+        arguments = function.get("arguments", "{}")
+        out.append((function["name"], arguments if isinstance(arguments, str)
+                    else orjson.dumps(arguments).decode()))
+    return tuple(out)
 
 
 class UpstreamRejected(ProxyError):
@@ -190,36 +224,68 @@ def rejection(status: int, body: bytes) -> ProxyError:
 
 
 class Reading:
-    """One upstream stream as it is relayed: OpenAI stops applied, chunks published."""
+    """One upstream stream as it is relayed: OpenAI stops applied to the answer text,
+    reasoning and tool calls passed on, chunks published."""
 
-    def __init__(self, generation: Generation, stops: tuple[str, ...]) -> None:
+    def __init__(self, generation: Generation, request: CanonicalRequest,
+                 call_markers: tuple[str, str] = ("", "")) -> None:
         self._generation = generation
+        self._markers = call_markers
         # Without stop strings every delta is relayed as it is (the common case, per token).
-        self._assembler = Assembler(stops) if stops else None
+        self._assembler = Assembler(request.stop) if request.stop else None
+        self._offered = bool(request.tools)
+        self._one_call = self._offered and not request.parallel_tool_calls
         self.chunks: list[Chunk] = []
+        self.calls = 0
         self.deltas = 0
         self.finish = ""
         self.usage: tuple[int, int] | None = None
+        self.cut = False  # the proxy ended the answer: a stop string, or its one tool call
 
     @property
-    def stopped(self) -> bool:
-        """True once a stop string cut the text."""
-        return self._assembler is not None and self._assembler.stopped
+    def may_cut(self) -> bool:
+        """Whether the proxy may end this answer before the upstream does."""
+        return self._assembler is not None or self._one_call
 
     def take(self, d: Delta) -> bool:
-        """Relay one event; True when a stop string ended the answer."""
-        if d.text:
+        """Relay one event; True when the proxy ends the answer here."""
+        if d.calls and not self._offered:
+            # mlx_lm.server parses a call whether tools were offered or not; the in-process
+            # runner keeps such text as text, so the call is written back as text in the
+            # template's call markup (mlx_lm.server re-serialized its arguments).
+            d = d._replace(text=d.text + "".join(self._as_text(n, a) for n, a in d.calls),
+                           calls=())
+        if d.text or d.reasoning or d.calls:
             self.deltas += 1
+        if d.reasoning:
+            self._publish(Chunk("", (), reasoning=d.reasoning))
+        if d.text:
             if self._assembler is None:
                 self._publish(Chunk(d.text, ()))
             else:
                 self._publish(self._assembler.add(0, d.text, None))
                 if self._assembler.stopped:
-                    self.finish = "stop"
+                    self.finish, self.cut = "stop", True
                     return True
+        if d.calls:
+            calls = tuple(ToolCallOut(self.calls + i, name, arguments)
+                          for i, (name, arguments) in enumerate(d.calls))
+            calls = calls[:1] if self._one_call else calls
+            self.calls += len(calls)
+            self._publish(Chunk("", (), tool_calls=calls))
+            if self._one_call:  # parallel_tool_calls false: the one call is made
+                self.finish, self.cut = "tool_calls", True
+                return True
         self.finish = d.finish_reason or self.finish
+        if self.finish == "tool_calls" and not self._offered:
+            self.finish = "stop"  # (the call is text)
         self.usage = d.usage or self.usage
         return False
+
+    def _as_text(self, name: str, arguments: str) -> str:
+        start, end = self._markers
+        call = json.dumps({"name": name, "arguments": json.loads(arguments)}, ensure_ascii=False)
+        return f"{start}\n{call}\n{end}"
 
     def flush(self) -> None:
         """Publish the text held back for a possible stop string."""
@@ -227,9 +293,9 @@ class Reading:
             self._publish(self._assembler.finish(""))
 
     def _publish(self, chunk: Chunk | None) -> None:
-        # Text only: an upstream stream carries no token ids (the Assembler's are placeholders).
-        if chunk is not None and chunk.text:
+        # An upstream stream carries no token ids (the Assembler's are placeholders).
+        if chunk is not None and (chunk.text or chunk.reasoning or chunk.tool_calls):
             if chunk.tokens:
-                chunk = Chunk(chunk.text, ())
+                chunk = Chunk(chunk.text, (), (), chunk.reasoning, chunk.tool_calls)
             self.chunks.append(chunk)
             self._generation.put(chunk)

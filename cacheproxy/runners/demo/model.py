@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cacheproxy.runners.demo import corpus as demo_corpus
+from cacheproxy.runners.demo import template
 
 BUNDLED_MODEL = Path(__file__).parent / "data" / "demo-model"
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -26,17 +27,21 @@ MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_
 class Recipe:
     """Every knob of the training run; changing one changes the weights."""
 
-    vocab_size: int = 768
+    vocab_size: int = 1024
     hidden_size: int = 128
     layers: int = 4
     heads: int = 4
     intermediate_size: int = 384
     context: int = 512
-    steps: int = 1500
+    steps: int = 2400
     batch: int = 16
-    seq_len: int = 64
+    seq_len: int = 288
     learning_rate: float = 3e-3
     seed: int = 0
+    # Then a second phase on the conversations where the answer copies from the prompt (a
+    # city into a call, a tool's result into a sentence), more of them, at a lower rate.
+    tune_steps: int = 1200
+    tune_learning_rate: float = 1e-3
 
 
 def model_config(recipe: Recipe, eos_ids: list[int]) -> dict[str, object]:
@@ -61,14 +66,18 @@ def model_config(recipe: Recipe, eos_ids: list[int]) -> dict[str, object]:
 
 def train_tokenizer(recipe: Recipe, texts: list[str], out: Path) -> list[int]:
     """Train a byte-level BPE tokenizer on the corpus; return the eos ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # A space is a token of its own: " Paris" in a question and "Paris" in a call's arguments
+    # are then one token, so a small model learns to copy it (not to map one onto another).
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(" "), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=recipe.vocab_size,
-        special_tokens=list(demo_corpus.SPECIAL_TOKENS),
+        special_tokens=list(template.SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -76,28 +85,24 @@ def train_tokenizer(recipe: Recipe, texts: list[str], out: Path) -> list[int]:
     tok.save(str(out / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": demo_corpus.END,
-        "pad_token": demo_corpus.END,
+        "eos_token": template.END,
+        "pad_token": template.END,
         "bos_token": None,
         "unk_token": None,
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": recipe.context,
-        "chat_template": demo_corpus.CHAT_TEMPLATE,
+        "chat_template": template.CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    # The user-turn marker ends a reply: the model writes it after every answer.
-    ids = [tok.token_to_id(demo_corpus.END), tok.token_to_id(demo_corpus.USER)]
+    # The next turn's marker ends a reply: the model writes it after every answer.
+    ids = [tok.token_to_id(marker) for marker in template.EOS]
     return [i for i in ids if i is not None]
 
 
 def train(out: Path, recipe: Recipe = Recipe(), *, log: bool = True) -> Path:
     """Train the demo model from its recipe and save it to ``out``."""
     import mlx.core as mx
-    import mlx.nn as nn
-    import mlx.optimizers as optim
-    import numpy as np
-    from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
     out.mkdir(parents=True, exist_ok=True)
@@ -105,38 +110,70 @@ def train(out: Path, recipe: Recipe = Recipe(), *, log: bool = True) -> Path:
     eos_ids = train_tokenizer(recipe, texts, out)
     config = model_config(recipe, eos_ids)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    stream = np.array([i for enc in tok.encode_batch(texts) for i in enc.ids], dtype=np.int32)
-
     mx.random.seed(recipe.seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))  # type: ignore[no-untyped-call]
     model.set_dtype(mx.float32)
-    schedule = optim.cosine_decay(recipe.learning_rate, recipe.steps, recipe.learning_rate / 10)
+    train_phase(model, out, texts, recipe.steps, recipe.learning_rate, recipe, log=log)
+    tune(model, out, recipe, log=log)
+    return out
+
+
+def tune(model: Any, out: Path, recipe: Recipe, *, log: bool = True) -> None:
+    """The second phase (on the model the first phase left), then the weights saved."""
+    from mlx.utils import tree_flatten
+
+    texts = demo_corpus.corpus(recipe.seed + 1, weights=demo_corpus.TUNING)
+    train_phase(model, out, texts, recipe.tune_steps, recipe.tune_learning_rate, recipe,
+                log=log, seed=recipe.seed + 1)
+    import mlx.core as mx
+
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+
+def train_phase(model: Any, out: Path, texts: list[str], steps: int, learning_rate: float,
+                recipe: Recipe, *, log: bool, seed: int | None = None) -> None:
+    """AdamW on windows of the texts' tokens, a cosine schedule to a tenth of the rate."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    import numpy as np
+
+    stream, starts = _token_stream(out, texts, recipe.seq_len)
+    schedule = optim.cosine_decay(learning_rate, steps, learning_rate / 10)
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
 
     def loss_fn(m: Any, x: mx.array, y: mx.array) -> mx.array:
         return nn.losses.cross_entropy(m(x), y, reduction="mean")
 
     step_fn = nn.value_and_grad(model, loss_fn)  # type: ignore[attr-defined]
-    rng = np.random.default_rng(recipe.seed)
+    rng = np.random.default_rng(recipe.seed if seed is None else seed)
     started = time.monotonic()
-    for step in range(recipe.steps):
-        starts = rng.integers(0, len(stream) - recipe.seq_len - 1, size=recipe.batch)
-        window = np.stack([stream[s : s + recipe.seq_len + 1] for s in starts])
+    for step in range(steps):
+        # Windows start where documents start: a conversation is seen from its beginning
+        # (its tools block included), as it is served.
+        begin = rng.choice(starts, size=recipe.batch)
+        window = np.stack([stream[s : s + recipe.seq_len + 1] for s in begin])
         x, y = mx.array(window[:, :-1]), mx.array(window[:, 1:])
         loss, grads = step_fn(model, x, y)
         optimizer.update(model, grads)
         mx.eval(model.parameters(), optimizer.state, loss)
-        if log and (step % 50 == 0 or step == recipe.steps - 1):
+        if log and (step % 50 == 0 or step == steps - 1):
             elapsed = time.monotonic() - started
             print(f"step {step:4d}  loss {loss.item():.3f}  {elapsed:.0f}s", flush=True)
 
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    return out
+
+def _token_stream(out: Path, texts: list[str], seq_len: int) -> tuple[Any, Any]:
+    """Every document's tokens end to end, and where each document starts (those that have
+    a whole window after them)."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    encoded = [enc.ids for enc in tok.encode_batch(texts)]
+    offsets = np.cumsum([0] + [len(ids) for ids in encoded])
+    stream = np.array([i for ids in encoded for i in ids], dtype=np.int32)
+    return stream, offsets[:-1][offsets[:-1] < len(stream) - seq_len - 1]
 
 
 def write_copy(out: Path, *, quantize: int | None = None) -> Path:
