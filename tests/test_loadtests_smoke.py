@@ -7,6 +7,7 @@ without it).
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -35,3 +36,13 @@ def test_smoke(name: str, tmp_path: Path) -> None:
     assert row in done.stdout, done.stdout
     assert (tmp_path / plot).stat().st_size > 1000
     assert (tmp_path / f"{name}.json").exists()
+
+
+def test_bench_structured_smoke(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(LOADTESTS / "bench_structured.py"), "--smoke",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    assert "| demo |" in done.stdout and "| llama-128x2 |" in done.stdout
+    rows = json.loads((tmp_path / "bench_structured.json").read_text())
+    assert all(r["constrained_ms_per_token"] > 0 and r["reuse_ms"] < r["compile_20_fields_ms"]
+               for r in rows)
