@@ -29,9 +29,11 @@ from typing import Generic, TypeVar
 import msgpack
 
 from cacheproxy.keys import codec
-from cacheproxy.keys.canonical import Endpoint, Parsed, RunnerDefaults, parse
+from cacheproxy.keys.canonical import Parsed, Route, RunnerDefaults, parse
 from cacheproxy.keys.fields import decode_body
+from cacheproxy.keys.fingerprint import Fingerprint
 from cacheproxy.keys.key import CacheKey
+from cacheproxy.keys.responses import parse_responses
 from cacheproxy.observe.logs import SharedFields
 from policies.sampling import SamplingMode
 
@@ -81,19 +83,24 @@ class ParseMemo:
     """Repeated identical bodies skip JSON decoding and canonicalization."""
 
     def __init__(self, max_entries: int = 4096, *, max_tokens_cap: int | None = None) -> None:
-        self._memo: LRU[tuple[Endpoint, bytes], tuple[RunnerDefaults, SamplingMode, Parsed]] = \
+        self._memo: LRU[tuple[Route, bytes], tuple[RunnerDefaults, SamplingMode, Parsed]] = \
             LRU(max_entries)
         self._cap = max_tokens_cap
 
     def parse(
-        self, raw: bytes, endpoint: Endpoint, defaults: RunnerDefaults, mode: SamplingMode
+        self, raw: bytes, route: Route, defaults: RunnerDefaults, mode: SamplingMode
     ) -> Parsed:
-        """Same as canonical.parse(decode_body(raw), ...), remembered for small bodies."""
-        memo_key = (endpoint, raw)
+        """Same as canonical.parse(decode_body(raw), ...) (or parse_responses for the
+        Responses API), remembered for small bodies."""
+        memo_key = (route, raw)
         known = self._memo.get(memo_key) if len(raw) <= MAX_MEMO_BODY else None
         if known is not None and known[0] is defaults and known[1] == mode:
             return known[2]
-        parsed = parse(decode_body(raw), endpoint, defaults, mode, max_tokens_cap=self._cap)
+        body = decode_body(raw)
+        if route == "responses":
+            parsed = parse_responses(body, defaults, mode, max_tokens_cap=self._cap)
+        else:
+            parsed = parse(body, route, defaults, mode, max_tokens_cap=self._cap)
         if len(raw) <= MAX_MEMO_BODY:
             self._memo.put(memo_key, (defaults, mode, parsed), size=2 * len(raw))
         return parsed
@@ -122,6 +129,9 @@ ID_MARK = "@@cacheproxy-id@@"
 CREATED_MARK = 9_999_999_999_999
 _ID_BYTES = f'"id":"{ID_MARK}"'.encode()
 _CREATED_BYTES = f'"created":{CREATED_MARK}'.encode()
+# A Responses object's times: the same second as "created" is in a chat completion.
+_TIMES_BYTES = tuple(f'"{name}":{CREATED_MARK}'.encode() for name in ("created_at",
+                                                                      "completed_at"))
 
 
 def _between_marks(body: bytes) -> bytes | None:
@@ -162,8 +172,11 @@ class Template:
             return (b'"id":"%b"%b"created":%d' % (response_id.encode(), self._between, created)
                     ).join(self._parts)
         # Inside JSON strings quotes are escaped, so these byte runs only match the fields.
-        return self.body.replace(_ID_BYTES, b'"id":"%b"' % response_id.encode()).replace(
+        body = self.body.replace(_ID_BYTES, b'"id":"%b"' % response_id.encode()).replace(
             _CREATED_BYTES, b'"created":%d' % created)
+        for marked in _TIMES_BYTES:
+            body = body.replace(marked, marked[: -len(str(CREATED_MARK))] + b"%d" % created)
+        return body
 
 
 class HitTemplates:
@@ -186,18 +199,18 @@ class Repeat:
     """Everything a HIT response to one exact request body needed, kept for its repeats
     (valid under the rule in the module docstring)."""
 
-    fingerprint: object  # the very Fingerprint object the HIT was keyed under
+    fingerprint: Fingerprint  # the very object the HIT was keyed under (compared by `is`)
     key: CacheKey
     data: bytes
-    endpoint: Endpoint
+    endpoint: Route
     created_at: float
     template: Template
     head: bytes  # header lines but Age and Cache-Control, which change with time
     log: SharedFields  # the request's cache log fields
 
 
-RepeatKey = tuple[Endpoint, str, bytes]
-"""(endpoint, cache scope, raw body)."""
+RepeatKey = tuple[Route, str, bytes]
+"""(route, cache scope, raw body)."""
 
 
 class Repeats:

@@ -1,42 +1,44 @@
-"""POST /v1/chat/completions and /v1/completions: body -> service -> OpenAI JSON or SSE.
+"""POST /v1/chat/completions, /v1/completions and /v1/responses: body -> service -> JSON/SSE.
 
 The service decides everything (status, reason, where the answer comes from); a handler
-only reads the body and renders what it gets back: a remembered HIT, a stored one, or a
-flight to relay.
+only reads the body and renders what it gets back in its route's API: a remembered HIT, a
+stored one, or a flight to relay.
 """
 
 from __future__ import annotations
 
 import time
 from functools import partial
-from typing import Any, assert_never
+from typing import Any, Protocol, assert_never
 
 import orjson
 from aiohttp import web
 
-from cacheproxy.edge import render
-from cacheproxy.edge.prerendered import Rendered, header_lines
+from cacheproxy.edge import render, responses_render
+from cacheproxy.edge.aiohttp_adapter import Rendered, header_lines
 from cacheproxy.edge.route import JSON, json_response
 from cacheproxy.edge.state import CACHE_LOG, IDENTITY, IDS, OPTIONS, PROXY
-from cacheproxy.errors import ProxyError
-from cacheproxy.keys.canonical import Endpoint, Parsed
-from cacheproxy.keys.codec import Chunk
+from cacheproxy.errors import ClientGone, ProxyError, UnreadableBody
+from cacheproxy.keys.canonical import Parsed, Route
+from cacheproxy.keys.codec import Chunk, Output
 from cacheproxy.observe.logs import SharedFields
 from cacheproxy.service.memos import CREATED_MARK, ID_MARK, Repeat, RepeatKey, Template
-from cacheproxy.service.proxy import CachingProxy, Flowing, Stored
+from cacheproxy.service.proxy import Answer, CachingProxy, Flowing, Stored
 from policies.cache_control import response_cache_control
 from policies.status import CacheStatus, Reason
 
 SSE = "text/event-stream"
 
 
-async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+async def _complete(request: web.Request, endpoint: Route) -> web.StreamResponse:
     app = request.app
     proxy = app[PROXY]
     raw = await _body(request)
     scope = request.get(IDENTITY, "") if app[OPTIONS].cache_scope == "per-key" else ""
     control = request.headers.get("Cache-Control")
-    answer = await proxy.answer(endpoint, raw, scope=scope, control=control)
+    # Step 0 without a coroutine when it can (a repeat HIT held in this process), else all.
+    recalled = proxy.recall(endpoint, raw, scope) if control is None else None
+    answer: Answer = recalled or await proxy.answer(endpoint, raw, scope, control)
     match answer:
         case Repeat():
             return _repeat_hit(request, answer, proxy.options.ttl)
@@ -51,22 +53,60 @@ async def _complete(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
 
 async def _body(request: web.Request) -> bytes:
     """The request body: taken as is when all of it has arrived (a small POST usually has),
-    else read as aiohttp reads it. Over client_max_size is a 413 either way."""
+    else read as aiohttp reads it. Over client_max_size is a 413 either way; a body whose
+    Content-Encoding does not decode is a 400; a client gone mid-body, a 499."""
     content = request.content
-    if not content.is_eof():
-        return await request.read()
-    raw = content.read_nowait()
+    try:  # (no coroutine of its own: this is on the hit path)
+        raw = await request.read() if not content.is_eof() else content.read_nowait()
+    except web.RequestPayloadError as exc:
+        content.feed_eof()  # (read: aiohttp would read on after the answer, and fail again)
+        raise UnreadableBody(f"the request body cannot be read ({exc}): its Content-Encoding "
+                             "does not decode") from None
+    except ConnectionResetError:
+        content.feed_eof()
+        raise ClientGone("the client closed the connection in the middle of its body") from None
     if request.client_max_size and len(raw) > request.client_max_size:  # 0: no limit
         raise web.HTTPRequestEntityTooLarge(max_size=request.client_max_size,
                                             actual_size=len(raw))
     return raw
 
 
-# The POST routes: _complete with its endpoint (a partial, not one more coroutine per hit).
+# The POST routes: _complete with its route (a partial, not one more coroutine per hit).
 chat_completions = partial(_complete, endpoint="chat")
 chat_completions.__doc__ = "POST /v1/chat/completions."
 completions = partial(_complete, endpoint="completions")
 completions.__doc__ = "POST /v1/completions."
+responses = partial(_complete, endpoint="responses")
+responses.__doc__ = "POST /v1/responses."
+
+
+class Stream(Protocol):
+    """The events of one streamed answer in its API (render.ChatStream, ResponsesStream)."""
+
+    done: bytes
+
+    def start(self) -> bytes: ...
+    def chunk(self, chunk: Chunk) -> bytes: ...
+    def error(self, error: ProxyError) -> bytes: ...
+    def end(self, output: Output) -> bytes: ...
+
+
+def _body_of(frame: render.Frame, output: Output) -> dict[str, Any]:
+    if frame.delivery.api == "responses":
+        return responses_render.response(frame, output)
+    return render.body(frame, output)
+
+
+def _stream_of(frame: render.Frame) -> Stream:
+    if frame.delivery.api == "responses":
+        return responses_render.ResponsesStream(frame)
+    return render.ChatStream(frame)
+
+
+def _whole_stream(frame: render.Frame, output: Output) -> bytes:
+    if frame.delivery.api == "responses":
+        return responses_render.whole_stream(frame, output)
+    return render.whole_stream(frame, output)
 
 
 def _repeat_hit(request: web.Request, repeat: Repeat, ttl: float | None) -> Rendered:
@@ -99,20 +139,20 @@ def _stored_hit(request: web.Request, hit: Stored, proxy: CachingProxy,
             created_at=float(hit.record.provenance.get("created_at", 0.0)), template=template,
             head=header_lines([*fixed, ("Content-Type", template.content_type)]),
             log=SharedFields(info)))
-    body = template.fill(request.app[IDS].next(hit.parsed.request.endpoint), int(time.time()))
+    body = template.fill(request.app[IDS].next(hit.parsed.delivery.api), int(time.time()))
     return web.Response(body=body, headers=headers, content_type=template.content_type)
 
 
 def _hit_template(proxy: CachingProxy, hit: Stored) -> Template:
     """A stored answer rendered once per record and delivery, id and time left open."""
     record, parsed = hit.record, hit.parsed
-    frame = _frame(parsed, hit.fingerprint, ID_MARK, CREATED_MARK, cached=True)
+    frame = _frame(parsed, hit.fingerprint, hit.key, ID_MARK, CREATED_MARK, cached=True)
     if parsed.delivery.stream:
         def draw() -> Template:
-            return Template(render.whole_stream(frame, record.output), SSE)
+            return Template(_whole_stream(frame, record.output), SSE)
     else:
         def draw() -> Template:
-            return Template(orjson.dumps(render.body(frame, record.output)), JSON)
+            return Template(orjson.dumps(_body_of(frame, record.output)), JSON)
     memo_key = (hit.key, parsed.delivery, parsed.request.logprobs)
     return proxy.memos.templates.get(memo_key, record, draw)
 
@@ -123,9 +163,8 @@ async def _flowing(request: web.Request, answer: Flowing, ttl: float | None
     info = request[CACHE_LOG] = _log_fields(answer.status, answer.reason, answer.key.short)
     headers = _cache_headers(answer.status, answer.reason, answer.key, answer.fingerprint,
                              answer.parsed, stores=answer.stores, age=answer.age, ttl=ttl)
-    frame = _frame(answer.parsed, answer.fingerprint, request.app[IDS].next(
-        answer.parsed.request.endpoint), int(time.time()),
-        cached=answer.status is CacheStatus.HIT)
+    frame = _frame(answer.parsed, answer.fingerprint, answer.key, request.app[IDS].next(
+        answer.parsed.delivery.api), int(time.time()), cached=answer.status is CacheStatus.HIT)
     flight = answer.flight
     if answer.parsed.delivery.stream:
         response = await _stream(request, answer, frame, headers)
@@ -133,7 +172,7 @@ async def _flowing(request: web.Request, answer: Flowing, ttl: float | None
         output = await flight.ended()
         if flight.revalidated:
             headers["X-Cache-Revalidated"] = flight.revalidated
-        response = json_response(render.body(frame, output), headers=headers)
+        response = json_response(_body_of(frame, output), headers=headers)
     if flight.output is not None:
         info["tokens"] = flight.output.completion_tokens
         if answer.status is not CacheStatus.COALESCED and flight.generation_ms is not None:
@@ -142,15 +181,17 @@ async def _flowing(request: web.Request, answer: Flowing, ttl: float | None
 
 
 def _log_fields(status: CacheStatus, reason: Reason, short_key: str) -> dict[str, Any]:
-    """The cache fields of the access line (the key's request part: entries differ there)."""
-    return {"cache": status, "reason": reason, "key": short_key}
+    """The cache fields of the access line (the key's request part: entries differ there).
+    The enums' own str values: the metrics count them as dict keys, where a plain interned
+    str hashes and compares at once."""
+    return {"cache": status.value, "reason": reason.value, "key": short_key}
 
 
-def _frame(parsed: Parsed, fingerprint: str, response_id: str, created: int, *,
+def _frame(parsed: Parsed, fingerprint: str, key: str, response_id: str, created: int, *,
            cached: bool) -> render.Frame:
     return render.Frame(response_id, created, parsed.request.model, fingerprint,
                         parsed.request.endpoint, parsed.delivery, parsed.request.logprobs,
-                        cached=cached)
+                        cached=cached, key=key)
 
 
 def _cache_headers(status: CacheStatus, reason: Reason, key: str, fingerprint: str,
@@ -180,27 +221,19 @@ async def _stream(request: web.Request, answer: Flowing, frame: render.Frame,
 
 
 async def _relay(response: web.StreamResponse, answer: Flowing, frame: render.Frame) -> None:
-    flight = answer.flight
-    await response.write(render.sse(render.stream_start(frame)))
-    offset = 0
+    flight, stream = answer.flight, _stream_of(frame)
+    await response.write(stream.start())
     try:
         async for chunk in flight.follow():
-            offset = await _send_chunk(response, frame, chunk, offset)
+            if data := stream.chunk(chunk):
+                await response.write(data)
     except ProxyError as exc:
-        await response.write(render.sse([exc.body()]) + render.DONE)
+        await response.write(stream.error(exc) + stream.done)
         return
     if flight.output is None:
         raise RuntimeError("stream ended without output")
-    tail = render.sse(render.stream_end(frame, flight.output))
+    tail = stream.end(flight.output)
     if flight.revalidated:  # headers are long gone: say it as an SSE comment
         tail += f": x-cache-revalidated={flight.revalidated}\n\n".encode()
-    await response.write(tail + render.DONE)
+    await response.write(tail + stream.done)
     await response.write_eof()
-
-
-async def _send_chunk(response: web.StreamResponse, frame: render.Frame, chunk: Chunk,
-                      offset: int) -> int:
-    event = render.stream_chunk(frame, chunk, offset)
-    if event is not None:
-        await response.write(render.sse([event]))
-    return offset + len(chunk.text)
