@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from policies.status import CacheStatus, Reason
+
 
 class ProxyError(Exception):
     """Root of every error that becomes an HTTP response."""
@@ -11,6 +13,8 @@ class ProxyError(Exception):
     status: ClassVar[int] = 500
     type: ClassVar[str] = "server_error"
     code: ClassVar[str | None] = None
+    cache_log: dict[str, object] | None = None  # the cache fields of its access line, if any
+    closes: ClassVar[bool] = False  # the connection is closed after this answer
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -38,6 +42,7 @@ class InvalidRequest(ProxyError):
 
     status = 400
     type = "invalid_request_error"
+    code = "invalid_request_error"  # a real code on every 400, never null
 
 
 class ContextLengthExceeded(InvalidRequest):
@@ -92,6 +97,23 @@ class PayloadTooLarge(ProxyError):
     code = "request_too_large"
 
 
+class UnreadableBody(InvalidRequest):
+    """The request body does not decode (its Content-Encoding): the rest of the connection
+    cannot be trusted either, so it is closed after the 400."""
+
+    closes = True
+
+
+class ClientGone(ProxyError):
+    """The client closed its connection before its request body had arrived (nginx's 499:
+    logged and counted as such, never as a server error; nobody reads the answer)."""
+
+    status = 499
+    type = "invalid_request_error"
+    code = "client_disconnected"
+    closes = True
+
+
 class Overloaded(ProxyError):
     """The generation queue is full."""
 
@@ -108,7 +130,7 @@ class Overloaded(ProxyError):
 
 
 class StoreDown(ProxyError):
-    """A store operation the request needs (admin API) failed."""
+    """A store operation the request needs (admin API, a replayed answer) failed."""
 
     status = 503
     type = "server_error"
@@ -129,6 +151,30 @@ class NotCached(ProxyError):
     status = 504
     type = "invalid_request_error"
     code = "not_cached"
+
+
+class NotRecorded(ProxyError):
+    """A replaying server has no recorded answer for this request (it never generates)."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "not_recorded"
+
+    def __init__(self, message: str, *, request: dict[str, object]) -> None:
+        super().__init__(message)
+        self.request = request
+        self.cache_log = {"cache": CacheStatus.MISS.value, "reason": Reason.NOT_RECORDED.value}
+
+    def body(self) -> dict[str, object]:
+        """The OpenAI error object, with the canonical request that was not found."""
+        body = super().body()
+        error = body["error"]
+        if isinstance(error, dict):
+            error["request"] = self.request
+        return body
+
+    def headers(self) -> dict[str, str]:
+        return {"X-Cache": f"{CacheStatus.MISS}; reason={Reason.NOT_RECORDED}"}
 
 
 class GenerationFailed(ProxyError):

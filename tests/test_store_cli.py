@@ -22,6 +22,21 @@ REQUESTS = [
                               "logprobs": True, "top_logprobs": 2}),
     ("/v1/completions", {"prompt": "The wolf", "max_tokens": 20, "stop": ["moon"]}),
     ("/v1/completions", {"prompt": "One day the duck", "max_tokens": 30, "logprobs": 1}),
+    # A tool call (after a thought: the demo model thinks by default).
+    ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "What is the weather in Lima?"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}}]}),
+    # Structured output, thinking off (a constrained generation).
+    ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Tell me about the fox."}],
+        "chat_template_kwargs": {"enable_thinking": False},
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "animal", "strict": True, "schema": {
+                "type": "object", "additionalProperties": False, "required": ["name", "food"],
+                "properties": {"name": {"type": "string"}, "food": {"type": "string"}}}}}}),
+    # The Responses API, thinking on (its reasoning stored with the answer).
+    ("/v1/responses", {"input": "What does the owl eat?", "max_output_tokens": 60}),
 ]
 
 
@@ -70,8 +85,9 @@ async def test_verify_reports_100_percent_then_catches_a_tampered_record(
     assert report["checked"] == len(REQUESTS) and report["matched"] == len(REQUESTS) - 1
     (mismatch,) = report["mismatches"]
     assert mismatch["key"] == keys[2] and mismatch["first_diverging_token"] == position
-    text = run("verify", "--store", store, "--sample", "4")
-    assert text.returncode == 1 and "MISMATCH" in text.stdout and "75.0%" in text.stdout
+    text = run("verify", "--store", store, "--sample", str(len(REQUESTS)))
+    rate = f"{100 * (len(REQUESTS) - 1) / len(REQUESTS):.1f}%"
+    assert text.returncode == 1 and "MISMATCH" in text.stdout and rate in text.stdout
 
 
 async def _get(proxy: Proxy, key: str) -> bytes:
@@ -118,6 +134,8 @@ async def test_stats_inspect_and_purge_through_the_cli(
     assert provenance["fingerprint_fields"]["weights_digest"]
     readable = run("inspect", keys[1], "--store", store).stdout
     assert "fingerprint" in readable and "Hello" in readable
+    call = json.loads(run("inspect", keys[4], "--store", store, "--json").stdout)["output"]
+    assert call["tool_calls"][0]["name"] == "get_weather" and call["reasoning"]
     assert run("inspect", digest + "/nope", "--store", store).returncode == 1
 
     assert run("purge", "--key", keys[0], "--store", store).stdout.strip() == "removed 1 entries"

@@ -1,4 +1,5 @@
-"""`cacheproxy` command line: serve, demo-model, fingerprint, stats, inspect, purge, verify."""
+"""`cacheproxy` command line: serve, demo-model, fingerprint, stats, inspect, purge, export,
+import, verify."""
 
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                        "help": "seconds to answer without the store after a failure"}),
     ("--lock-ttl", {"type": float,
                     "help": "seconds a cross-replica fill lease lives unless renewed"}),
+    ("--replay", {"action": "store_const", "const": True,
+                  "help": "never generate: answer from the store or 404 not_recorded"}),
     ("--upstream", {"action": "append", "metavar": "URL",
                     "help": "generate on a running mlx_lm.server instead of in-process "
                             "(repeatable: a pool; env CACHEPROXY_UPSTREAM, comma-separated)"}),
@@ -74,7 +77,8 @@ def _add_model_commands(sub: Any) -> None:
     demo.add_argument("--out", required=True, type=Path)
     demo.add_argument("--quantize", type=int, choices=[4, 8])
     demo.add_argument("--retrain", action="store_true", help="train from the recipe instead")
-    demo.add_argument("--steps", type=int, help="training steps with --retrain")
+    demo.add_argument("--steps", type=int,
+                      help="training steps with --retrain (the second phase gets half as many)")
     fpr = sub.add_parser("fingerprint", help="print the pinned configuration tuple as JSON")
     fpr.add_argument("--model", help="model directory (default: the demo model)")
 
@@ -95,6 +99,19 @@ def _add_store_commands(sub: Any) -> None:
     what.add_argument("--key")
     what.add_argument("--all", action="store_true", help="everything (asks unless --yes)")
     pg.add_argument("--yes", action="store_true")
+    ex = sub.add_parser("export", help="write entries as JSON lines (stdout)")
+    ex.add_argument("--store")
+    which = ex.add_mutually_exclusive_group()
+    which.add_argument("--namespace", metavar="DIGEST")
+    which.add_argument("--model", dest="model_id", metavar="ID", help="the model id's namespaces")
+    ex.add_argument("--out", type=Path, help="a file instead of stdout")
+    im = sub.add_parser("import", help="load entries from a JSON-lines file, verified")
+    im.add_argument("file", type=Path)
+    im.add_argument("--store")
+    im.add_argument("--model", help="model directory the entries are for (default: the demo)")
+    im.add_argument("--model-id", dest="model_id")
+    im.add_argument("--as-current", action="store_true",
+                    help="key entries of another fingerprint under the serving one")
     vf = sub.add_parser("verify", help="replay stored entries and compare byte for byte")
     vf.add_argument("--store")
     vf.add_argument("--model", help="model directory or repo (default: the demo model)")
@@ -129,7 +146,7 @@ async def _store_command(args: argparse.Namespace) -> int:
     from cacheproxy.cli import store as store_cli
 
     flags = {"store": args.store, "model": getattr(args, "model", None),
-             "model_id": getattr(args, "model_id", None)}
+             "model_id": getattr(args, "model_id", None) if args.command != "export" else None}
     settings = build_settings(flags, os.environ)
     if args.command == "stats":
         return await store_cli.stats(settings.store, as_json=args.json)
@@ -139,7 +156,37 @@ async def _store_command(args: argparse.Namespace) -> int:
         return await store_cli.purge(
             settings.store, superseded=args.superseded, namespace=args.namespace, key=args.key,
             everything=args.all, confirm=lambda what: args.yes or _ask(what))
+    if args.command == "export":
+        return await _export(settings, args)
+    if args.command == "import":
+        return await _import(settings, args)
     return await _verify(settings, args)
+
+
+async def _export(settings: Settings, args: argparse.Namespace) -> int:
+    from cacheproxy.cli import transfer
+
+    if args.out is None:
+        await transfer.export(settings.store, namespace=args.namespace, model=args.model_id,
+                              out=sys.stdout.buffer)
+        return 0
+    with args.out.open("wb") as out:
+        count = await transfer.export(settings.store, namespace=args.namespace,
+                                      model=args.model_id, out=out)
+    print(f"exported {count} entries to {args.out}", file=sys.stderr)
+    return 0
+
+
+async def _import(settings: Settings, args: argparse.Namespace) -> int:
+    from cacheproxy.cli import transfer
+    from cacheproxy.keys.digests import DigestMemo
+    from cacheproxy.runners.mlx import local_fingerprint, resolve_model_path
+
+    current = local_fingerprint(settings.served_model_id, resolve_model_path(settings.model),
+                                memo=DigestMemo(Path(settings.digest_memo)))
+    await transfer.import_(args.file, settings.store, current=current,
+                           as_current=args.as_current)
+    return 0
 
 
 def _ask(what: str) -> bool:
@@ -175,7 +222,8 @@ def demo_model(out: Path, quantize: int | None, retrain: bool, steps: int | None
     if retrain:
         if quantize is not None:
             raise ValueError("--retrain and --quantize are separate steps")
-        recipe = dm.Recipe() if steps is None else replace(dm.Recipe(), steps=steps)
+        recipe = dm.Recipe() if steps is None else \
+            replace(dm.Recipe(), steps=steps, tune_steps=steps // 2)
         dm.train(out, recipe)
     else:
         if steps is not None:
@@ -186,14 +234,14 @@ def demo_model(out: Path, quantize: int | None, retrain: bool, steps: int | None
 
 
 def fingerprint(model: str | None) -> int:
-    """Print the pinned configuration tuple and its digest."""
+    """Print the pinned configuration tuple and its digest (as the in-process runner pins it)."""
     from cacheproxy.cli.settings import DEMO_MODEL_ID
-    from cacheproxy.keys import fingerprint as fp
     from cacheproxy.runners.demo.model import BUNDLED_MODEL
+    from cacheproxy.runners.mlx import local_fingerprint
 
     path = Path(model) if model else BUNDLED_MODEL
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
-    result = fp.compute(model or DEMO_MODEL_ID, path)
+    result = local_fingerprint(model or DEMO_MODEL_ID, path)
     print(json.dumps({"digest": result.digest, "fields": result.fields()}, indent=2))
     return 0

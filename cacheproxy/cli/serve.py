@@ -19,7 +19,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from backends import open_backend, redact_url
+from backends import redact_url
 from backends.base import Backend
 from cacheproxy.cli.settings import Settings
 from cacheproxy.edge.app import create_app
@@ -29,6 +29,7 @@ from cacheproxy.runners.base import Runner
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
 from cacheproxy.runners.upstream import UpstreamRunner
 from cacheproxy.runners.upstream_model import UpstreamOptions
+from cacheproxy.service.cassette import open_store
 from cacheproxy.service.invalidation import Invalidator
 from cacheproxy.service.proxy import CachingProxy, ServiceOptions
 
@@ -52,7 +53,8 @@ def service_options(settings: Settings) -> ServiceOptions:
     """The service's knobs among the settings."""
     return ServiceOptions(sampling=settings.sampling, max_tokens_cap=settings.max_tokens_cap,
                           generation_timeout=settings.generation_timeout, ttl=settings.ttl,
-                          store_retry=settings.store_retry, lock_ttl=settings.lock_ttl)
+                          store_retry=settings.store_retry, lock_ttl=settings.lock_ttl,
+                          replay=settings.replay)
 
 
 def build_runner(settings: Settings) -> Runner:
@@ -74,7 +76,8 @@ def build_runner(settings: Settings) -> Runner:
 @asynccontextmanager
 async def _parts(settings: Settings, runner: Runner | None, store: Backend | None
                  ) -> AsyncIterator[tuple[CachingProxy, Invalidator]]:
-    the_store = store or open_backend(settings.store)  # a bad URL fails before loading
+    # A bad URL fails before the model loads.
+    the_store = store or await open_store(settings.store, replay=settings.replay)
     the_runner = runner or build_runner(settings)
     proxy: CachingProxy | None = None
     invalidator: Invalidator | None = None
@@ -138,7 +141,7 @@ def restore_file_limit(before: tuple[int, int], max_connections: int) -> None:
 
 async def _serve(settings: Settings, batched: BatchedLines | None,
                  files: tuple[int, int]) -> None:
-    from cacheproxy.edge.connections import limit_connections
+    from cacheproxy.edge.aiohttp_adapter import limit_connections
     from cacheproxy.observe import logs
 
     flusher = asyncio.create_task(logs.flush_periodically(batched)) if batched else None

@@ -53,6 +53,7 @@ class Settings:
     max_connections: int = 1000
     store_retry: float = 2.0
     lock_ttl: float = 10.0
+    replay: bool = False
     upstream: tuple[str, ...] = ()  # mlx_lm.server URLs: generate there instead of in-process
     model_dir: str = ""  # with upstream: the model directory the upstreams serve
     upstream_timeout: float = 30.0

@@ -8,10 +8,10 @@ import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from backends import open_backend
 from backends.base import Backend, NamespacePurge, Scan, StoreStats
 from cacheproxy.keys import codec
-from cacheproxy.service.namespaces import REGISTRY_KEY, Registry
+from cacheproxy.service.cassette import open_store
+from cacheproxy.service.namespaces import REGISTRY_KEY, Registry, cache_entries
 
 
 def _when(ts: float | None) -> str:
@@ -22,11 +22,11 @@ def _when(ts: float | None) -> str:
 
 async def stats(url: str, *, as_json: bool, out: TextIO = sys.stdout) -> int:
     """Entries and bytes per namespace, marking the current and the superseded ones."""
-    store = open_backend(url)
+    store = await open_store(url, replay=True)  # read only
     try:
         reports = await Registry(store).report()
         total = await store.stats() if isinstance(store, StoreStats) else None
-        registered = await store.get(REGISTRY_KEY) is not None
+        entries = await cache_entries(store, total.entries) if total else None
     finally:
         await store.aclose()
     rows: list[dict[str, Any]] = [
@@ -36,8 +36,6 @@ async def stats(url: str, *, as_json: bool, out: TextIO = sys.stdout) -> int:
              "engine": f"mlx-lm {r.namespace.fields.get('engine_version')} / "
                        f"mlx {r.namespace.fields.get('mlx_version')}"}
         for r in reports]
-    # The store counts keys; the namespace registry is one of them but no cache entry.
-    entries = total.entries - registered if total else None
     summary = {"store": url, "entries": entries, "keys": total.entries if total else None,
                "bytes": total.bytes if total else None,
                "max_bytes": total.max_bytes if total else None, "namespaces": rows,
@@ -59,7 +57,7 @@ async def stats(url: str, *, as_json: bool, out: TextIO = sys.stdout) -> int:
 
 async def inspect(url: str, key: str, *, as_json: bool, out: TextIO = sys.stdout) -> int:
     """One record with its provenance."""
-    store = open_backend(url)
+    store = await open_store(url, replay=True)  # read only
     try:
         data = await store.get(key)
     finally:
@@ -88,6 +86,10 @@ async def inspect(url: str, key: str, *, as_json: bool, out: TextIO = sys.stdout
     print(f"finish       {o.finish_reason}; {o.prompt_tokens} prompt + {o.completion_tokens} "
           f"completion tokens in {len(o.chunks)} chunks", file=out)
     print(f"text         {o.text!r}", file=out)
+    if o.reasoning:
+        print(f"reasoning    {o.reasoning!r}", file=out)
+    for call in o.tool_calls:
+        print(f"tool call    {call.index}: {call.name}({call.arguments})", file=out)
     return 0
 
 
@@ -96,7 +98,7 @@ async def purge(
     confirm: Callable[[str], bool],
 ) -> int:
     """Remove entries; prints how many went."""
-    store = open_backend(url)
+    store = await open_store(url)
     try:
         removed = await _purge(store, superseded, namespace, key, everything, confirm)
     finally:

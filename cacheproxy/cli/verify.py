@@ -14,11 +14,11 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import TextIO
 
-from backends import open_backend
 from backends.base import Backend, Scan
 from cacheproxy.keys import codec
 from cacheproxy.keys.canonical import CanonicalRequest
 from cacheproxy.runners.base import Runner
+from cacheproxy.service.cassette import open_store
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +66,8 @@ async def _keys(store: Backend, namespace: str) -> list[str]:
 
 
 def compare(key: str, stored: codec.Output, replayed: codec.Output) -> Mismatch | None:
-    """Tokens, text, finish reason and (when stored) logprobs must all be identical."""
+    """Tokens, text, reasoning, tool calls, finish reason and (when stored) logprobs must
+    all be identical."""
     # Entries generated through mlx_lm.server carry no token ids: compare their text.
     with_ids = bool(stored.token_ids) and bool(replayed.token_ids)
     position = first_divergence(stored.token_ids, replayed.token_ids) if with_ids else None
@@ -74,6 +75,11 @@ def compare(key: str, stored: codec.Output, replayed: codec.Output) -> Mismatch 
         return Mismatch(key, position, "tokens differ", stored.text, replayed.text)
     if stored.text != replayed.text:
         return Mismatch(key, None, "text differs", stored.text, replayed.text)
+    if stored.reasoning != replayed.reasoning:
+        return Mismatch(key, None, "reasoning differs", stored.reasoning, replayed.reasoning)
+    if stored.tool_calls != replayed.tool_calls:
+        return Mismatch(key, None, "tool calls differ", repr(stored.tool_calls),
+                        repr(replayed.tool_calls))
     if stored.finish_reason != replayed.finish_reason:
         return Mismatch(key, None, "finish reason differs")
     lp_a = [lp.logprob for c in stored.chunks for lp in c.logprobs]
@@ -95,7 +101,7 @@ async def verify(
         raise ValueError(
             f"namespace {target} was produced under another fingerprint than the runner's "
             f"({current}); pass --cross-fingerprint to compare across them")
-    store = open_backend(url)
+    store = await open_store(url, replay=True)  # read only
     report = Report(current, target)
     try:
         keys = await _keys(store, target)
