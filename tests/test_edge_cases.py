@@ -1,5 +1,6 @@
 """Edge cases found in review: directives on a leasing store, only-if-cached, redaction,
-device-scoped namespaces, generation_config.json, a client leaving mid-stream."""
+device-scoped namespaces, generation_config.json, a client leaving mid-stream or mid-body, a
+body that does not decode."""
 
 from __future__ import annotations
 
@@ -9,17 +10,21 @@ import json
 from pathlib import Path
 
 import aiohttp
+from aiohttp import web
+from structlog.testing import capture_logs
 
 from backends import open_backend, redact_url
 from backends.base import DistributedLock
 from backends.memory import MemoryBackend
+from cacheproxy.cli.serve import build_app
+from cacheproxy.cli.settings import Settings
 from cacheproxy.edge.state import PROXY
 from cacheproxy.keys import fingerprint as fp
 from cacheproxy.runners.demo.model import BUNDLED_MODEL, write_copy
 from cacheproxy.runners.mlx import MlxRunner
 from cacheproxy.service.namespaces import Registry
 from policies.sampling import SamplingMode
-from tests.conftest import ProxyFactory
+from tests.conftest import ProxyFactory, free_port
 from tests.test_operability import _metrics, _post
 from tests.test_proxy_e2e import NO_EOS
 
@@ -199,3 +204,48 @@ async def test_admin_store_errors_are_503(runner: MlxRunner) -> None:
             assert (await resp.json())["error"]["code"] == "store_unavailable"
     finally:
         await server.close()
+
+
+async def _raw(proxy_url: str, head: bytes, body: bytes, *, hang_up: bool) -> bytes:
+    """A POST written by hand: a body no client library would send, or half of one."""
+    host, port = proxy_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                 b"Content-Type: application/json\r\n" + head + b"\r\n" + body)
+    await writer.drain()
+    if hang_up:
+        await asyncio.sleep(0.3)  # the handler is reading the body by now
+        writer.close()
+        return b""
+    answer = await reader.read(4096)
+    writer.close()
+    return answer
+
+
+async def test_a_body_that_does_not_decode_is_a_400_and_a_client_gone_mid_body_a_499(
+    runner: MlxRunner,
+) -> None:
+    # Served as `cacheproxy serve` serves (AppRunner: a handler is not cancelled when its
+    # client leaves; aiohttp's TestServer would cancel it).
+    app = build_app(Settings(store="memory://", model=str(BUNDLED_MODEL)), runner=runner)
+    served = web.AppRunner(app, access_log=None)
+    await served.setup()
+    port = free_port()
+    await web.TCPSite(served, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        body = json.dumps(Q).encode()
+        answer = await _raw(url, b"Content-Encoding: gzip\r\nContent-Length: %d\r\n"
+                            % len(body), body, hang_up=False)
+        assert answer.startswith(b"HTTP/1.1 400") and b'"code":"invalid_request_error"' in answer
+        assert b"Content-Encoding" in answer and b"Connection: close" in answer
+        with capture_logs() as logs:
+            await _raw(url, b"Content-Length: %d\r\n" % (len(body) + 50), body, hang_up=True)
+            for _ in range(100):
+                if any(e.get("status") == 499 for e in logs):
+                    break
+                await asyncio.sleep(0.05)
+        assert [e["status"] for e in logs if e["event"] == "request"] == [499], logs
+        assert not [e for e in logs if e["event"] == "unhandled_error"]
+    finally:
+        await served.cleanup()

@@ -13,7 +13,10 @@ from cacheproxy.errors import Unauthorized
 def bearer(request: web.Request) -> bytes:
     """The bearer token of the Authorization header (empty when there is none)."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return token.strip().encode() if scheme.lower() == "bearer" else b""
+    # A header byte that is not UTF-8 arrives as a surrogate escape: kept as the byte it was,
+    # so it matches no key (a 401, not a UnicodeEncodeError).
+    return token.strip().encode("utf-8", "surrogateescape") if scheme.lower() == "bearer" \
+        else b""
 
 
 def matches(token: bytes, secrets: tuple[bytes, ...]) -> bool:

@@ -20,7 +20,7 @@ from aiohttp import web
 from multidict import istr
 
 from backends.base import BackendError
-from cacheproxy.edge.prerendered import Rendered
+from cacheproxy.edge.aiohttp_adapter import Rendered
 from cacheproxy.edge.state import CACHE_LOG, OPTIONS
 from cacheproxy.errors import (
     GenerationFailed,
@@ -99,6 +99,10 @@ def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
             response = await handler(request)
         except ProxyError as exc:
             response = _error_response(exc)
+            if exc.closes:
+                response.force_close()
+            if exc.cache_log is not None:
+                request[CACHE_LOG] = exc.cache_log
         except BackendError as exc:  # a store call outside the cache path (admin API)
             response = _error_response(StoreDown(f"the store failed: {exc}"))
         except web.HTTPException as exc:
