@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from cacheproxy.keys import grammar  # noqa: E402
 from cacheproxy.keys.canonical import parse  # noqa: E402
 from cacheproxy.keys.tools import schema  # noqa: E402
 from cacheproxy.runners.constrain import Grammars  # noqa: E402
-from cacheproxy.runners.demo.model import BUNDLED_MODEL  # noqa: E402
+from cacheproxy.runners.demo.model import BUNDLED_MODEL, random_model  # noqa: E402
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner  # noqa: E402
 from policies.sampling import SamplingMode  # noqa: E402
 
@@ -49,24 +48,7 @@ OUT = Path(__file__).parent / "results"
 
 def big_model(work: Path, *, hidden: int, layers: int) -> Path:
     """A random-weight Llama with the demo tokenizer, saved as mlx-lm loads it."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
-
-    out = work / f"llama-{hidden}x{layers}"
-    out.mkdir(parents=True)
-    config = json.loads((BUNDLED_MODEL / "config.json").read_text())
-    config.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=16,
-                  num_key_value_heads=16, intermediate_size=hidden * 11 // 4,
-                  max_position_embeddings=2048)
-    (out / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(BUNDLED_MODEL / name, out / name)
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(config))  # type: ignore[no-untyped-call]
-    model.set_dtype(mx.float32)
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    return out
+    return random_model(work / f"llama-{hidden}x{layers}", hidden=hidden, layers=layers)
 
 
 async def _tokens_per_second(runner: MlxRunner, body: dict[str, Any]) -> float:

@@ -142,3 +142,38 @@ async def test_stream_request_with_bad_input_is_a_plain_http_error(
             session.post(proxy.url + "/v1/completions", json=body) as resp:
         assert resp.status == 400
         assert (await resp.json())["error"]["code"] == "context_length_exceeded"
+
+
+async def test_expect_100_continue_over_the_limit_is_a_413_before_the_body(
+        make_proxy: ProxyFactory) -> None:
+    """(#19) A client that asks before sending its body is told at once: 413 for a declared
+    length over the limit (no `100 Continue`; `Connection: close`, after aiohttp's lingering
+    read), `100 Continue` and the answer for one within it."""
+    proxy = await make_proxy(max_body_bytes=4096)
+    port = int(proxy.url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 5000000\r\n\r\n")
+        status_line = await asyncio.wait_for(reader.readline(), 5)  # without sending a byte
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        rest = await asyncio.wait_for(reader.readexactly(length), 5)
+    finally:
+        writer.close()
+    assert status_line.startswith(b"HTTP/1.1 413"), status_line
+    assert b"Connection: close" in head
+    assert json.loads(rest)["error"]["code"] == "request_too_large"
+
+    body = json.dumps({"messages": [{"role": "user", "content": "Hello!"}]}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+        assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == \
+            b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(body)
+        assert (await asyncio.wait_for(reader.readline(), 30)).startswith(b"HTTP/1.1 200")
+    finally:
+        writer.close()

@@ -93,6 +93,19 @@ def test_stream_options_must_be_an_object(value: Any) -> None:
     rejects({**CHAT, "stream": True, "stream_options": value}, InvalidRequest, "stream_options")
 
 
+@pytest.mark.parametrize("options", [{"include_usage": True, "chunk_size": 4},
+                                     {"include_obfuscation": True}], ids=repr)
+def test_stream_options_the_server_does_not_apply_are_refused(options: dict[str, Any]) -> None:
+    name = next(k for k in options if k != "include_usage")
+    rejects({**CHAT, "stream": True, "stream_options": options}, Unsupported,
+            f"stream_options.{name}")
+
+
+def test_include_obfuscation_false_is_what_the_server_does() -> None:
+    body = {**CHAT, "stream": True, "stream_options": {"include_obfuscation": False}}
+    assert parse(body, "chat", DEFAULTS, SEEDED).delivery.stream
+
+
 @pytest.mark.parametrize("value", NOT_A_BOOLEAN, ids=repr)
 def test_include_usage_must_be_a_boolean(value: Any) -> None:
     body = {**CHAT, "stream": True, "stream_options": {"include_usage": value}}

@@ -26,10 +26,12 @@ CLI = [sys.executable, "-m", "cacheproxy"]
 
 
 @contextmanager
-def serving(*args: str) -> Iterator[str]:
-    """`python -m cacheproxy serve ARGS` on a free port until the block ends (SIGTERM)."""
+def serving(*args: str, env: dict[str, str] | None = None,
+            output: list[str] | None = None) -> Iterator[str]:
+    """`python -m cacheproxy serve ARGS` on a free port until the block ends (SIGTERM); its
+    output is appended to `output` once it exited."""
     port = free_port()
-    proc = subprocess.Popen([*CLI, "serve", "--port", str(port), *args],
+    proc = subprocess.Popen([*CLI, "serve", "--port", str(port), *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -54,6 +56,8 @@ def serving(*args: str) -> Iterator[str]:
         finally:
             if proc.poll() is None:
                 proc.kill()
+            if output is not None and proc.stdout is not None:
+                output.append(proc.stdout.read().decode())
 
 
 def _ask(url: str) -> tuple[str, str | None]:
@@ -122,7 +126,8 @@ def test_retrain_is_reproducible(tmp_path: Path) -> None:
     digests = []
     for name in ("a", "b"):
         out = tmp_path / name
-        subprocess.run([*CLI, "demo-model", "--out", str(out), "--retrain", "--steps", "3"],
+        subprocess.run([*CLI, "demo-model", "--out", str(out), "--retrain", "--steps", "3",
+                        "--documents", "300"],
                        check=True, capture_output=True)
         digests.append(fp.compute("m", out).weights_digest)
     assert digests[0] == digests[1]
@@ -211,7 +216,8 @@ def test_one_json_log_line_per_request_without_prompts(tmp_path: Path) -> None:
 def test_connections_past_the_bound_get_503(tmp_path: Path) -> None:
     import socket
 
-    with serving("--store", "memory://", "--max-connections", "2") as url:
+    output: list[str] = []
+    with serving("--store", "memory://", "--max-connections", "2", output=output) as url:
         port = int(url.rsplit(":", 1)[1])
         held = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
         try:
@@ -226,6 +232,7 @@ def test_connections_past_the_bound_get_503(tmp_path: Path) -> None:
         time.sleep(0.2)
         with urllib.request.urlopen(url + "/health", timeout=5) as resp:
             assert resp.status == 200  # the held connections are gone: admitted again
+    assert "Traceback" not in output[0] and "Task exception" not in output[0]  # (#19)
 
 
 def _open_file_limit(pid: int) -> tuple[int, int]:

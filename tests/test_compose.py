@@ -26,6 +26,8 @@ def test_compose_has_runner_redis_and_proxy_with_health_checks() -> None:
     assert set(services) == {"runner", "redis", "proxy"}
     for name, service in services.items():
         assert "test" in service["healthcheck"], name
+    # The runner prefills cold: mlx_lm.server's prompt cache reuses at any token boundary.
+    assert " ".join(services["runner"]["command"]).endswith("--prompt-cache-size 0")
     redis_cmd = " ".join(services["redis"]["command"])
     assert "--appendonly yes" in redis_cmd and "allkeys-lru" in redis_cmd
     proxy = services["proxy"]

@@ -436,7 +436,8 @@ def changed_fingerprints() -> list[tuple[str, Fingerprint]]:
         if f.name == "quantization" or not f.init:  # `digest` is derived from the others
             continue
         value = getattr(FINGERPRINT, f.name)
-        out.append((f.name, dataclasses.replace(FINGERPRINT, **{f.name: value + "x"})))
+        other = value + 1 if isinstance(value, int) else value + "x"
+        out.append((f.name, dataclasses.replace(FINGERPRINT, **{f.name: other})))
     quant = FINGERPRINT.quantization
     for name, value in quant.items():
         other = value + 1 if isinstance(value, int) else f"{value}x"

@@ -46,3 +46,29 @@ def test_bench_structured_smoke(tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "bench_structured.json").read_text())
     assert all(r["constrained_ms_per_token"] > 0 and r["reuse_ms"] < r["compile_20_fields_ms"]
                for r in rows)
+
+
+def test_bench_prefix_smoke(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(LOADTESTS / "bench_prefix.py"), "--smoke",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    result = json.loads((tmp_path / "bench_prefix.json").read_text())
+    turns = result["turns"]
+    assert len(turns) == 3 and all(t["identical"] for t in turns)
+    assert turns[0]["reused"] == 0 and all(t["reused"] > 0 for t in turns[1:])
+
+
+def test_cost_curves_smoke(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(LOADTESTS / "cost_curves.py"), "--smoke",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    assert "| disk | 3k |" in done.stdout and "| redis | 3k |" in done.stdout, done.stdout
+    assert (tmp_path / "cost_curves.png").stat().st_size > 1000
+    result = json.loads((tmp_path / "cost_curves.json").read_text())
+    for store in ("disk", "redis"):
+        run = result["stores"][store]
+        assert [r["entries"] for r in run["rows"]] == [1000, 3000]
+        assert all(r["get_us"]["p99"] > 0 and r["bytes_per_entry"] > 0 for r in run["rows"])
+        assert run["purge"]["entries"] == 3000 and run["purge"]["seconds"] > 0
+        assert run["purge"]["during_us"]["samples"] > 0 and run["purge"]["p99_ratio"] > 0
+        assert run["verify"]["entries"] == 5 and run["verify"]["verify_per_s"] > 0

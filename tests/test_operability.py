@@ -6,8 +6,11 @@ import asyncio
 from typing import Any
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cacheproxy.cli.settings import Settings, build_settings
+from cacheproxy.edge.state import PROXY
 from policies.sampling import SamplingMode
 from tests.conftest import Proxy, ProxyFactory
 from tests.test_bad_input import _raw_post
@@ -129,6 +132,11 @@ async def test_api_keys_are_enforced_and_scope_the_cache(make_proxy: ProxyFactor
     _, h4, _ = await _post(scoped, _body("Hello!"), {"Authorization": "Bearer key-b"})
     _, h5, _ = await _post(scoped, _body("Hello!"), {"Authorization": "Bearer key-a"})
     assert (h4["X-Cache-Key"], h5["X-Cache-Key"]) == (h2["X-Cache-Key"], h1["X-Cache-Key"])
+    # No memo shared between tenants is keyed on the body alone (#19: else a tenant could
+    # time whether another sent a body): the parse memo holds the body once per tenant.
+    parsed = scoped.app[PROXY].memos.parser._memo.keys()
+    assert len(parsed) == 2 and len({scope for _, scope, _ in parsed}) == 2
+    assert all(scope for _, scope, _ in parsed)
 
 
 async def test_cache_control_directives(make_proxy: ProxyFactory) -> None:
@@ -178,3 +186,36 @@ async def test_limits_have_clear_errors(make_proxy: ProxyFactory) -> None:
     assert statuses[0] == 200 and statuses[-1] == 503, statuses
     overloaded = next(b for s, _, b in results if s == 503)
     assert overloaded["error"]["code"] == "overloaded"
+
+
+async def _status_codes(proxy: Proxy, token: str | None) -> tuple[int, int, int, int]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession() as session:
+        codes = []
+        for path in ("/metrics", "/status.json", "/", "/health"):
+            async with session.get(proxy.url + path, headers=headers) as resp:
+                codes.append(resp.status)
+    return codes[0], codes[1], codes[2], codes[3]
+
+
+async def test_the_fleets_figures_are_for_who_may_read_them(make_proxy: ProxyFactory) -> None:
+    # (#19) With an admin token the traffic figures are the admin's; with API keys only, a
+    # key holder's; a page shell and /health stay open (load balancers poll /health).
+    admin = await make_proxy(api_keys=("key-a",), admin_token="root", status_access="admin")
+    assert await _status_codes(admin, None) == (401, 401, 200, 200)
+    assert await _status_codes(admin, "key-a") == (401, 401, 200, 200)
+    assert await _status_codes(admin, "root") == (200, 200, 200, 200)
+    keyed = await make_proxy(api_keys=("key-a",), status_access="api-key")
+    assert await _status_codes(keyed, None) == (401, 401, 200, 200)
+    assert await _status_codes(keyed, "key-a") == (200, 200, 200, 200)
+    public = await make_proxy(api_keys=("key-a",), status_access="public")
+    assert await _status_codes(public, None) == (200, 200, 200, 200)
+
+
+def test_status_access_auto_follows_the_tokens_that_are_set() -> None:
+    assert Settings().status_readers == "public"
+    assert Settings(api_keys=("k",)).status_readers == "api-key"
+    assert Settings(api_keys=("k",), admin_token="t").status_readers == "admin"
+    assert Settings(admin_token="t", status_access="public").status_readers == "public"
+    with pytest.raises(ValueError, match="status-access admin"):
+        build_settings({"status_access": "admin"}, {})

@@ -124,6 +124,9 @@ async def test_max_output_tokens_is_an_incomplete_response(make_proxy: ProxyFact
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
     ({"include": ["file_search_call.results"]}, "include"),
+    ({"stream": True, "stream_options": {"include_obfuscation": True}},
+     "stream_options.include_obfuscation"),
+    ({"stream": True, "stream_options": {"include_usage": True}}, "stream_options.include_usage"),
 ])
 async def test_state_and_hosted_tools_are_refused_not_dropped(
     make_proxy: ProxyFactory, extra: dict[str, Any], param: str

@@ -38,7 +38,8 @@ class Upstream:
         with self.log.open("ab") as out:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "mlx_lm.server", "--model", str(self.model_dir),
-                 "--host", "127.0.0.1", "--port", str(self.port)],
+                 "--host", "127.0.0.1", "--port", str(self.port),
+                 "--prompt-cache-size", "0"],  # every prefill cold, as the README says
                 stdout=out, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self) -> None:

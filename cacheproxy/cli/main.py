@@ -28,6 +28,10 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--max-body-bytes", {"type": int}),
     ("--default-max-tokens", {"type": int}),
     ("--max-tokens-cap", {"type": int}),
+    ("--prefill-step", {"type": int,
+                        "help": "prompt tokens per prefill chunk (in the fingerprint)"}),
+    ("--prefix-cache-bytes", {"type": int,
+                              "help": "bytes of KV state kept for exact prefix reuse (0: off)"}),
     ("--device-scope", {"action": "store_const", "const": True}),
     ("--no-watch", {"dest": "watch", "action": "store_const", "const": False,
                     "help": "do not watch the model files for changes"}),
@@ -39,6 +43,8 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--api-key", {"dest": "api_keys", "action": "append",
                    "help": "accepted client API key (repeatable; env CACHEPROXY_API_KEYS)"}),
     ("--cache-scope", {"choices": ["shared", "per-key"]}),
+    ("--status-access", {"choices": ["auto", "admin", "api-key", "public"],
+                         "help": "who may read /metrics and /status.json"}),
     ("--max-in-flight", {"type": int, "help": "requests served at once before 503"}),
     ("--max-connections", {"type": int,
                            "help": "open client connections before new ones get 503"}),
@@ -77,10 +83,12 @@ def _add_model_commands(sub: Any) -> None:
     demo.add_argument("--out", required=True, type=Path)
     demo.add_argument("--quantize", type=int, choices=[4, 8])
     demo.add_argument("--retrain", action="store_true", help="train from the recipe instead")
-    demo.add_argument("--steps", type=int,
-                      help="training steps with --retrain (the second phase gets half as many)")
+    demo.add_argument("--steps", type=int, help="training steps with --retrain")
+    demo.add_argument("--documents", type=int,
+                      help="conversations in the training corpus with --retrain")
     fpr = sub.add_parser("fingerprint", help="print the pinned configuration tuple as JSON")
     fpr.add_argument("--model", help="model directory (default: the demo model)")
+    fpr.add_argument("--prefill-step", type=int, help="the runner's prefill step (default 512)")
 
 
 def _add_store_commands(sub: Any) -> None:
@@ -112,6 +120,7 @@ def _add_store_commands(sub: Any) -> None:
     im.add_argument("--model-id", dest="model_id")
     im.add_argument("--as-current", action="store_true",
                     help="key entries of another fingerprint under the serving one")
+    im.add_argument("--prefill-step", type=int, help="the serving runner's prefill step")
     vf = sub.add_parser("verify", help="replay stored entries and compare byte for byte")
     vf.add_argument("--store")
     vf.add_argument("--model", help="model directory or repo (default: the demo model)")
@@ -121,6 +130,8 @@ def _add_store_commands(sub: Any) -> None:
     vf.add_argument("--cross-fingerprint", action="store_true",
                     help="compare entries of another fingerprint (an upgrade audit)")
     vf.add_argument("--json", action="store_true")
+    vf.add_argument("--prefill-step", type=int, help="the serving runner's prefill step")
+    vf.add_argument("--prefix-cache-bytes", type=int, help="exact prefix reuse (0: off)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return serve(build_settings(flags, os.environ))
         if args.command == "demo-model":
-            return demo_model(args.out, args.quantize, args.retrain, args.steps)
+            return demo_model(args.out, args.quantize, args.retrain, args.steps,
+                              args.documents)
         if args.command == "fingerprint":
-            return fingerprint(args.model)
+            return fingerprint(args.model, args.prefill_step)
         return asyncio.run(_store_command(args))
     except (ValueError, FileNotFoundError, FileExistsError, UpstreamUnavailable) as exc:
         print(f"cacheproxy: error: {exc}", file=sys.stderr)
@@ -146,7 +158,9 @@ async def _store_command(args: argparse.Namespace) -> int:
     from cacheproxy.cli import store as store_cli
 
     flags = {"store": args.store, "model": getattr(args, "model", None),
-             "model_id": getattr(args, "model_id", None) if args.command != "export" else None}
+             "model_id": getattr(args, "model_id", None) if args.command != "export" else None,
+             "prefill_step": getattr(args, "prefill_step", None),
+             "prefix_cache_bytes": getattr(args, "prefix_cache_bytes", None)}
     settings = build_settings(flags, os.environ)
     if args.command == "stats":
         return await store_cli.stats(settings.store, as_json=args.json)
@@ -183,6 +197,7 @@ async def _import(settings: Settings, args: argparse.Namespace) -> int:
     from cacheproxy.runners.mlx import local_fingerprint, resolve_model_path
 
     current = local_fingerprint(settings.served_model_id, resolve_model_path(settings.model),
+                                prefill_step=settings.prefill_step,
                                 memo=DigestMemo(Path(settings.digest_memo)))
     await transfer.import_(args.file, settings.store, current=current,
                            as_current=args.as_current)
@@ -201,7 +216,9 @@ async def _verify(settings: Settings, args: argparse.Namespace) -> int:
     from cacheproxy.runners.mlx import MlxOptions, MlxRunner
 
     runner = MlxRunner(MlxOptions(model=settings.model, model_id=settings.served_model_id,
-                                  digest_memo=Path(settings.digest_memo)))
+                                  digest_memo=Path(settings.digest_memo),
+                                  prefill_step=settings.prefill_step,
+                                  prefix_cache_bytes=settings.prefix_cache_bytes))
     await runner.start()
     try:
         report = await verify(runner, settings.store, namespace=args.namespace,
@@ -213,7 +230,8 @@ async def _verify(settings: Settings, args: argparse.Namespace) -> int:
     return 0 if not report.mismatches else 1
 
 
-def demo_model(out: Path, quantize: int | None, retrain: bool, steps: int | None) -> int:
+def demo_model(out: Path, quantize: int | None, retrain: bool, steps: int | None,
+               documents: int | None) -> int:
     """Write the demo model: a copy, a quantized copy, or a retrained one."""
     from dataclasses import replace
 
@@ -222,18 +240,21 @@ def demo_model(out: Path, quantize: int | None, retrain: bool, steps: int | None
     if retrain:
         if quantize is not None:
             raise ValueError("--retrain and --quantize are separate steps")
-        recipe = dm.Recipe() if steps is None else \
-            replace(dm.Recipe(), steps=steps, tune_steps=steps // 2)
+        recipe = dm.Recipe()
+        if steps is not None:
+            recipe = replace(recipe, steps=steps)
+        if documents is not None:
+            recipe = replace(recipe, documents=documents)
         dm.train(out, recipe)
     else:
-        if steps is not None:
-            raise ValueError("--steps needs --retrain")
+        if steps is not None or documents is not None:
+            raise ValueError("--steps and --documents need --retrain")
         dm.write_copy(out, quantize=quantize)
     print(out)
     return 0
 
 
-def fingerprint(model: str | None) -> int:
+def fingerprint(model: str | None, prefill_step: int | None) -> int:
     """Print the pinned configuration tuple and its digest (as the in-process runner pins it)."""
     from cacheproxy.cli.settings import DEMO_MODEL_ID
     from cacheproxy.runners.demo.model import BUNDLED_MODEL
@@ -242,6 +263,9 @@ def fingerprint(model: str | None) -> int:
     path = Path(model) if model else BUNDLED_MODEL
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
-    result = local_fingerprint(model or DEMO_MODEL_ID, path)
+    from cacheproxy.runners.mlx import PREFILL_STEP
+
+    result = local_fingerprint(model or DEMO_MODEL_ID, path,
+                               prefill_step=prefill_step or PREFILL_STEP)
     print(json.dumps({"digest": result.digest, "fields": result.fields()}, indent=2))
     return 0

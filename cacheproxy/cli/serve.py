@@ -44,6 +44,7 @@ def build_app(settings: Settings, *, runner: Runner | None = None,
     options = EdgeOptions(max_body_bytes=settings.max_body_bytes,
                           cache_scope=settings.cache_scope, api_keys=settings.api_keys,
                           admin_token=settings.admin_token,
+                          status_access=settings.status_readers,
                           max_in_flight=settings.max_in_flight,
                           store_label=redact_url(settings.store))
     return create_app(options, partial(_parts, settings, runner, store))
@@ -70,7 +71,8 @@ def build_runner(settings: Settings) -> Runner:
         model=settings.model, model_id=settings.served_model_id,
         queue_size=settings.queue_size, default_max_tokens=settings.default_max_tokens,
         max_tokens_cap=settings.max_tokens_cap, device_scope=settings.device_scope,
-        digest_memo=Path(settings.digest_memo)))
+        digest_memo=Path(settings.digest_memo), prefill_step=settings.prefill_step,
+        prefix_cache_bytes=settings.prefix_cache_bytes))
 
 
 @asynccontextmanager

@@ -10,6 +10,7 @@ from typing import Any
 
 from backends import default_disk_url
 from cacheproxy.runners.demo.model import BUNDLED_MODEL
+from cacheproxy.runners.mlx import PREFILL_STEP, PREFIX_CACHE_BYTES
 from policies.invalidation import InvalidationPolicy
 from policies.sampling import SamplingMode
 
@@ -39,6 +40,8 @@ class Settings:
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256
     max_tokens_cap: int = 4096
+    prefill_step: int = PREFILL_STEP  # in-process: pinned in the fingerprint
+    prefix_cache_bytes: int = PREFIX_CACHE_BYTES  # in-process exact prefix reuse; 0 = off
     device_scope: bool = False
     watch: bool = True
     watch_interval: float = 2.0
@@ -49,6 +52,9 @@ class Settings:
     api_keys: tuple[str, ...] = ()
     cache_scope: str = "shared"
     admin_token: str = ""
+    # Who may read /metrics and /status.json: "auto" is the admin token's holder when one is
+    # set, else any API key's when keys are set, else everybody.
+    status_access: str = "auto"
     max_in_flight: int = 1024
     max_connections: int = 1000
     store_retry: float = 2.0
@@ -59,6 +65,13 @@ class Settings:
     upstream_timeout: float = 30.0
     log_format: str = "auto"
     log_level: str = "info"
+
+    @property
+    def status_readers(self) -> str:
+        """`status_access` resolved: "admin", "api-key" or "public"."""
+        if self.status_access != "auto":
+            return self.status_access
+        return "admin" if self.admin_token else "api-key" if self.api_keys else "public"
 
     @property
     def served_model_id(self) -> str:
@@ -122,12 +135,19 @@ def validate(settings: Settings) -> None:
         "log_format": settings.log_format in ("auto", "json", "console"),
         "ttl": settings.ttl is None or settings.ttl > 0,
         "cache_scope": settings.cache_scope in ("shared", "per-key"),
+        "status_access": settings.status_access in ("auto", "admin", "api-key", "public"),
         "max_in_flight": settings.max_in_flight >= 1,
         "max_connections": settings.max_connections >= 1,
         "store_retry": settings.store_retry > 0,
         "lock_ttl": settings.lock_ttl > 0,
         "upstream_timeout": settings.upstream_timeout > 0,
+        "prefill_step": settings.prefill_step >= 1,
+        "prefix_cache_bytes": settings.prefix_cache_bytes >= 0,
     }
+    if settings.status_access == "admin" and not settings.admin_token:
+        raise ValueError("--status-access admin needs CACHEPROXY_ADMIN_TOKEN")
+    if settings.status_access == "api-key" and not settings.api_keys:
+        raise ValueError("--status-access api-key needs --api-key")
     if settings.upstream and not settings.model_dir:
         raise ValueError("--upstream needs --model-dir: the model directory the upstream serves")
     if settings.model_dir and not settings.upstream:

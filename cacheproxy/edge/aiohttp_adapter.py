@@ -1,5 +1,5 @@
-"""The one module that leans on aiohttp's internals: pre-rendered responses, and the
-connection limit.
+"""The one module that leans on aiohttp's internals: pre-rendered responses, the
+connection limit, and the body limit applied to `Expect: 100-continue`.
 
 Pre-rendered responses: head and body rendered to bytes in advance, written in one call.
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from email.utils import formatdate
 from functools import lru_cache
 
@@ -165,6 +165,30 @@ REFUSAL = (
 )
 
 
+def expect_within(limit: int, refuse: Callable[[int], web.StreamResponse]
+                  ) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:
+    """A route's `Expect: 100-continue` handler (aiohttp's own, plus the body limit): a
+    declared Content-Length over `limit` gets `refuse(length)` at once, before the client
+    sends a byte of its body, instead of `100 Continue`."""
+
+    async def expect(request: web.Request) -> web.StreamResponse | None:
+        if request.version != HttpVersion11:
+            return None
+        value = request.headers.get("Expect", "")
+        if value.lower() != "100-continue":
+            raise web.HTTPExpectationFailed(text=f"Unknown Expect: {value}")
+        length = request.content_length
+        if limit and length is not None and length > limit:
+            response = refuse(length)
+            response.force_close()  # the body it announced is never read
+            return response
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # (as aiohttp's own handler does)
+        return None
+
+    return expect
+
+
 def limit_connections(server: web.Server, max_connections: int) -> None:
     """Refuse connections past `max_connections`, before any of their requests is read."""
     admit = server.connection_made
@@ -173,7 +197,10 @@ def limit_connections(server: web.Server, max_connections: int) -> None:
         admit(handler, transport)
         if len(server.connections) > max_connections:
             transport.write(REFUSAL)
-            transport.close()
+            # Closed on the next turn of the loop, after the handler's task has started: closed
+            # here, its connection_lost would run first and the task would fail an assertion
+            # (a traceback per refused connection).
+            asyncio.get_running_loop().call_soon(transport.close)
 
     # aiohttp's Server has no hook for this; its handlers call server.connection_made.
     server.connection_made = connection_made  # type: ignore[method-assign]

@@ -7,6 +7,7 @@ stored one, or a flight to relay.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from functools import partial
 from typing import Any, Protocol, assert_never
@@ -22,6 +23,7 @@ from cacheproxy.errors import ClientGone, ProxyError, UnreadableBody
 from cacheproxy.keys.canonical import Parsed, Route
 from cacheproxy.keys.codec import Chunk, Output
 from cacheproxy.observe.logs import SharedFields
+from cacheproxy.service.flights import Flight
 from cacheproxy.service.memos import CREATED_MARK, ID_MARK, Repeat, RepeatKey, Template
 from cacheproxy.service.proxy import Answer, CachingProxy, Flowing, Stored
 from policies.cache_control import response_cache_control
@@ -167,17 +169,33 @@ async def _flowing(request: web.Request, answer: Flowing, ttl: float | None
         answer.parsed.delivery.api), int(time.time()), cached=answer.status is CacheStatus.HIT)
     flight = answer.flight
     if answer.parsed.delivery.stream:
-        response = await _stream(request, answer, frame, headers)
+        await flight.prefill_known()  # the headers say what the prefill reused
+        response = await _stream(request, answer, _prefilled(frame, flight, headers, info),
+                                 headers)
     else:
         output = await flight.ended()
         if flight.revalidated:
             headers["X-Cache-Revalidated"] = flight.revalidated
+        frame = _prefilled(frame, flight, headers, info)
         response = json_response(_body_of(frame, output), headers=headers)
     if flight.output is not None:
         info["tokens"] = flight.output.completion_tokens
         if answer.status is not CacheStatus.COALESCED and flight.generation_ms is not None:
             info["runner_ms"] = round(flight.generation_ms, 2)
     return response
+
+
+def _prefilled(frame: render.Frame, flight: Flight, headers: dict[str, str],
+               info: dict[str, Any]) -> render.Frame:
+    """A generated answer's prefill in its headers, its usage and (for the one that ran it)
+    its access line."""
+    prefill = flight.prefill
+    if prefill is None or frame.cached:
+        return frame
+    headers["X-Cache-Prefill"] = prefill.header()
+    if info["cache"] != CacheStatus.COALESCED.value:
+        info["prefill_reused"], info["prefill_tokens"] = prefill.reused, prefill.total
+    return dataclasses.replace(frame, reused=prefill.reused)
 
 
 def _log_fields(status: CacheStatus, reason: Reason, short_key: str) -> dict[str, Any]:

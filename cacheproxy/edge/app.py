@@ -12,12 +12,14 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+import structlog
 from aiohttp import web
 
 from cacheproxy.edge import admin, answers, info, status
+from cacheproxy.edge.aiohttp_adapter import expect_within
 from cacheproxy.edge.auth import check_admin, client_identity
 from cacheproxy.edge.render import ResponseIds
-from cacheproxy.edge.route import Handler, Limits, edge, no_route
+from cacheproxy.edge.route import Handler, Limits, edge, json_response, no_route
 from cacheproxy.edge.state import (
     IDENTITY,
     IDS,
@@ -28,9 +30,12 @@ from cacheproxy.edge.state import (
     STARTED,
     EdgeOptions,
 )
+from cacheproxy.errors import PayloadTooLarge
 from cacheproxy.observe.metrics import Metrics
 from cacheproxy.service.invalidation import Invalidator
 from cacheproxy.service.proxy import CachingProxy
+
+log = structlog.get_logger("cacheproxy.edge")
 
 Parts = Callable[[], AbstractAsyncContextManager[tuple[CachingProxy, Invalidator]]]
 """Starts the service and its invalidator on enter, stops what it started on exit."""
@@ -66,6 +71,26 @@ async def _fold_tally(app: web.Application) -> AsyncIterator[None]:
     await asyncio.gather(task, return_exceptions=True)
 
 
+def _too_large(limit: int) -> Callable[[int], web.StreamResponse]:
+    def refuse(length: int) -> web.StreamResponse:
+        log.info("body_refused", content_length=length, limit=limit)
+        error = PayloadTooLarge(f"the request body ({length} bytes) is over the limit of "
+                                f"{limit} bytes")
+        return json_response(error.body(), status=error.status, headers=error.headers())
+
+    return refuse
+
+
+def _status_guard(options: EdgeOptions, keys: tuple[bytes, ...]) -> dict[str, Any]:
+    """Who may read the fleet's traffic figures (`--status-access`)."""
+    if options.status_access == "admin":
+        token = options.admin_token.encode()
+        return {"guard": lambda request: check_admin(request, token)}
+    if options.status_access == "api-key":
+        return {"guard": lambda request: client_identity(request, keys)}
+    return {}
+
+
 def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics) -> None:
     keys = tuple(k.encode() for k in options.api_keys)
 
@@ -82,9 +107,9 @@ def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics) ->
         ("POST", "/v1/responses", answers.responses, api),
         ("GET", "/v1/models", info.models, api),
         ("GET", "/health", info.health, {}),
-        ("GET", "/metrics", status.metrics, {}),
-        ("GET", "/status.json", status.public_stats, {}),
-        ("GET", "/", status.status_page, {}),
+        ("GET", "/metrics", status.metrics, _status_guard(options, keys)),
+        ("GET", "/status.json", status.public_stats, _status_guard(options, keys)),
+        ("GET", "/", status.status_page, {}),  # a shell: its numbers come from /status.json
     ]
     if options.admin_token:  # no token configured: the admin API does not exist (404)
         token = options.admin_token.encode()
@@ -97,7 +122,9 @@ def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics) ->
             ("POST", "/admin/flush", admin.flush, guard),
         ]
     allowed: dict[str, set[str]] = {}
+    expect = expect_within(options.max_body_bytes, _too_large(options.max_body_bytes))
     for method, path, handler, route_options in routes:
-        app.router.add_route(method, path, edge(handler, endpoint=path, **route_options))
+        app.router.add_route(method, path, edge(handler, endpoint=path, **route_options),
+                             expect_handler=expect)
         allowed.setdefault(path, set()).add(method)
     app.router.add_route("*", "/{tail:.*}", edge(no_route(allowed)))

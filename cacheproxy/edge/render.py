@@ -28,6 +28,7 @@ class Frame:
     logprobs: bool
     cached: bool
     key: str = ""  # the cache key: tool-call ids are derived from it
+    reused: int = 0  # prompt tokens a generation's prefill took from a saved state
 
     @property
     def object(self) -> str:
@@ -103,14 +104,15 @@ def whole_stream(frame: Frame, output: Output) -> bytes:
         stream.end(output) + DONE
 
 
-def usage(output: Output, cached: bool) -> dict[str, Any]:
-    """Token counts of the stored generation; on a hit the whole prompt was cached."""
+def usage(output: Output, cached: bool, reused: int = 0) -> dict[str, Any]:
+    """Token counts of the stored generation; on a hit the whole prompt was cached, on a
+    generation what its prefill reused."""
     p, c = output.prompt_tokens, output.completion_tokens
     return {
         "prompt_tokens": p,
         "completion_tokens": c,
         "total_tokens": p + c,
-        "prompt_tokens_details": {"cached_tokens": p if cached else 0},
+        "prompt_tokens_details": {"cached_tokens": p if cached else reused},
     }
 
 
@@ -195,7 +197,8 @@ def body(frame: Frame, output: Output) -> dict[str, Any]:
                       "logprobs": _text_logprobs(lps, 0) if frame.logprobs else None}
         choice["finish_reason"] = finish_reason(frame, output)
         choices.append(choice)
-    return {**frame.head(frame.object), "choices": choices, "usage": usage(output, frame.cached)}
+    return {**frame.head(frame.object), "choices": choices,
+            "usage": usage(output, frame.cached, frame.reused)}
 
 
 def stream_start(frame: Frame) -> list[dict[str, Any]]:
@@ -231,7 +234,8 @@ def stream_end(frame: Frame, output: Output) -> list[dict[str, Any]]:
     out = [_chunk(frame, _each_choice(frame, {**closing, "logprobs": None}, finish))]
     if frame.delivery.include_usage:
         obj = "chat.completion.chunk" if frame.endpoint == "chat" else "text_completion"
-        out.append({**frame.head(obj), "choices": [], "usage": usage(output, frame.cached)})
+        out.append({**frame.head(obj), "choices": [],
+                    "usage": usage(output, frame.cached, frame.reused)})
     return out
 
 

@@ -89,13 +89,14 @@ def items(frame: Frame, output: Output) -> list[dict[str, Any]]:
     return out
 
 
-def usage(output: Output, cached: bool) -> dict[str, Any]:
+def usage(output: Output, cached: bool, reused: int = 0) -> dict[str, Any]:
     """Token counts; reasoning tokens are those of chunks that hold only reasoning."""
     thinking = sum(len(c.tokens) for c in output.chunks
                    if c.reasoning and not c.text and not c.tool_calls)
     p, c = output.prompt_tokens, output.completion_tokens
     return {"input_tokens": p,
-            "input_tokens_details": {"cached_tokens": p if cached else 0, "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": p if cached else reused,
+                                     "cache_write_tokens": 0},
             "output_tokens": c, "output_tokens_details": {"reasoning_tokens": thinking},
             "total_tokens": p + c}
 
@@ -105,7 +106,7 @@ def response(frame: Frame, output: Output | None) -> dict[str, Any]:
     echo = _echo(frame)
     status, done_at, incomplete, output_items, counts = "in_progress", None, None, [], None
     if output is not None:
-        output_items, counts = items(frame, output), usage(output, frame.cached)
+        output_items, counts = items(frame, output), usage(output, frame.cached, frame.reused)
         if output.finish_reason == "length":
             status, incomplete = "incomplete", {"reason": "max_output_tokens"}
         else:

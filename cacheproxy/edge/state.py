@@ -20,6 +20,7 @@ class EdgeOptions:
     cache_scope: str = "shared"  # "shared" | "per-key": the caller's key identity joins keys
     api_keys: tuple[str, ...] = ()
     admin_token: str = ""  # empty: no admin API (404)
+    status_access: str = "public"  # who reads /metrics, /status.json: admin | api-key | public
     max_in_flight: int = 1024
     store_label: str = ""  # the store URL without credentials, for operators
 

@@ -41,6 +41,7 @@ async def snapshot(app: web.Application) -> dict[str, Any]:
         "per_minute": figures.per_minute,
         "saved_tokens": figures.saved_tokens,
         "saved_generation_s": round(figures.saved_seconds, 3),
+        "prefill": {"tokens": figures.prefill_tokens, "reused": figures.prefill_reused},
         "store": store,
         "fingerprint": fingerprint.digest,
         "fingerprint_fields": fingerprint.fields(),
@@ -69,6 +70,8 @@ async def metrics(request: web.Request) -> web.Response:
               "l1_invalidations": data["store"].get("l1_invalidations"),
               "l1_tracking_restarts": data["store"].get("l1_tracking_restarts"),
               "queued": data["lane"].get("queued", 0),
+              "prefix_entries": data["lane"].get("prefix_entries", 0),
+              "prefix_bytes": data["lane"].get("prefix_bytes", 0),
               "invalidation": {k: v for k, v in data["counters"].items()
                                if k not in ("store_errors", "corrupt_records")}}
     body = request.app[METRICS].render(gauges)
@@ -95,12 +98,23 @@ PAGE = """<!doctype html>
  <div class="card">tokens saved<b id="saved-tokens">-</b><span id="saved-s"></span></div>
 </div>
 <p>fingerprint <code id="fingerprint">-</code> &middot; lane <span id="lane">-</span>
- &middot; generations <span id="generations">-</span></p>
+ &middot; generations <span id="generations">-</span>
+ &middot; prefill <span id="prefill">-</span></p>
 <table><thead><tr><th>minute</th><th>HIT</th><th>MISS</th><th>COALESCED</th><th>BYPASS</th>
 </tr></thead><tbody id="minutes"></tbody></table>
 <script>
+// Behind a token (--status-access): open the page as /#token=... (a fragment never leaves
+// the browser, so the token is in no log); it is sent as a bearer token.
+const token = new URLSearchParams(location.hash.slice(1)).get("token");
 async function refresh() {
-  const s = await (await fetch("/status.json")).json();
+  const reply = await fetch("/status.json",
+    token ? {headers: {"Authorization": `Bearer ${token}`}} : {});
+  if (reply.status === 401) {
+    document.getElementById("fingerprint").textContent = "needs a token: open /#token=...";
+    document.body.dataset.loaded = "1";
+    return;
+  }
+  const s = await reply.json();
   const total = Object.values(s.requests).reduce((a, b) => a + b, 0);
   const set = (id, text) => { document.getElementById(id).textContent = text; };
   set("hit-rate", s.hit_rate === null ? "-" : (100 * s.hit_rate).toFixed(1) + " %");
@@ -112,6 +126,9 @@ async function refresh() {
   set("fingerprint", s.fingerprint);
   set("lane", `${s.lane.busy ? "busy" : "idle"}, ${s.lane.queued} queued`);
   set("generations", s.generations);
+  const saved = s.lane.prefix_entries === undefined ? "prefix reuse off"
+    : `${s.lane.prefix_entries} saved prefixes, ${s.lane.prefix_bytes} bytes`;
+  set("prefill", `${s.prefill.reused} of ${s.prefill.tokens} tokens reused; ${saved}`);
   const rows = s.per_minute.map(m => `<tr><td>${new Date(m.minute * 1000)
     .toISOString().slice(11, 16)}</td><td>${m.HIT || 0}</td><td>${m.MISS || 0}</td>
     <td>${m.COALESCED || 0}</td><td>${m.BYPASS || 0}</td></tr>`);

@@ -276,7 +276,7 @@ def _parse(body: object, endpoint: Endpoint, defaults: RunnerDefaults, mode: Sam
     alias = "max_completion_tokens" if body.get("max_completion_tokens") is not None else None
     max_tokens = fields.integer(body, alias or "max_tokens", defaults.max_tokens, lo=1, hi=cap)
     stream = fields.boolean(body, "stream", False)
-    options = fields.obj(body, "stream_options")
+    options = fields.stream_options(body, frozenset({"include_usage"}))
     outcome = _sampling(body, mode)
     n = fields.integer(body, "n", 1, lo=1, hi=16) or 1
     if n > 1 and not outcome.sampling.is_greedy:

@@ -89,6 +89,22 @@ def obj(body: Mapping[str, Any], field: str) -> Mapping[str, Any]:
     return value
 
 
+def stream_options(body: Mapping[str, Any], allowed: frozenset[str]) -> Mapping[str, Any]:
+    """`stream_options` with only the keys this server applies: any other is a 400 (never
+    dropped), and `include_obfuscation` may only be false."""
+    options = obj(body, "stream_options")
+    for name in options:
+        param = f"stream_options.{name}"
+        if name == "include_obfuscation":
+            if boolean(options, name, False):
+                raise Unsupported(f"'{param}' true is not supported: this server does not pad "
+                                  "stream events (a stored stream replays byte for byte)",
+                                  param=param)
+        elif name not in allowed:
+            raise Unsupported(f"'{param}' is not supported by this server", param=param)
+    return options
+
+
 def stop_list(body: Mapping[str, Any], field: str = "stop") -> tuple[str, ...]:
     """`stop` as a list of up to 4 non-empty strings (a lone string is merged in)."""
     value = body.get(field)

@@ -52,6 +52,9 @@ class Fingerprint:
     adapter_digest: str
     device: str
     grammar_engine: str = ""  # what constrains decoding (structured outputs), with its version
+    # Prompt tokens per prefill chunk (in-process; 0 for an upstream, whose own setting the
+    # proxy cannot see): the chunk shape changes the reductions on batch-variant runtimes.
+    prefill_step: int = 0
     digest: str = field(init=False, repr=False, compare=False)
     """xxh3_128 over msgpack of the fields; computed once (it is on every request's path)."""
 
@@ -132,6 +135,7 @@ def compute(
     adapter_dir: Path | None = None,
     device: str = "",
     grammar_engine: str = "",
+    prefill_step: int = 0,
     versions: VersionSource = installed_versions,
     memo: DigestMemo | None = None,
 ) -> Fingerprint:
@@ -157,4 +161,5 @@ def compute(
         adapter_digest=hash_files([p for p in adapters if p.is_file()]) if adapters else "",
         device=device,
         grammar_engine=grammar_engine,
+        prefill_step=prefill_step,
     )

@@ -106,6 +106,7 @@ def _check_passed(body: Mapping[str, Any]) -> None:
         raise Unsupported("'truncation' other than 'disabled' is not supported: a prompt over "
                           "the context is a 400", param="truncation")
     fields.obj(body, "metadata")
+    fields.stream_options(body, frozenset())  # (usage is always in response.completed)
 
 
 def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -62,6 +62,8 @@ class Totals:
     per_minute: list[dict[str, Any]]  # [{minute (epoch s), HIT, MISS, ...}] oldest first
     saved_tokens: int
     saved_seconds: float
+    prefill_tokens: int = 0  # prompt tokens of the generations
+    prefill_reused: int = 0  # of them, taken from saved prefix states
 
 
 FinishedRequest = tuple[str, int, float, dict[str, Any]]
@@ -93,6 +95,8 @@ class RequestTally(Collector):
         self._saved_tokens = 0
         self._saved_seconds = 0.0
         self._coalesced = 0
+        self._prefill_tokens = 0  # prompt tokens of generations (in-process)
+        self._prefill_reused = 0  # of them, taken from a saved prefix state
 
     def fold(self) -> None:
         """Count the requests recorded since the last fold."""
@@ -122,6 +126,8 @@ class RequestTally(Collector):
                 elif cache in (CacheStatus.MISS, CacheStatus.BYPASS) and "runner_ms" in info:
                     self._generation.observe(info["runner_ms"] / 1000)
                     self._generated_tokens += info.get("tokens", 0)
+                    self._prefill_tokens += info.get("prefill_tokens", 0)
+                    self._prefill_reused += info.get("prefill_reused", 0)
             except Exception:  # a malformed record costs its own counts, not the batch's
                 failed += 1
         if failed:
@@ -150,7 +156,8 @@ class RequestTally(Collector):
         self.fold()
         return Totals(by_cache=dict(self._by_cache), per_minute=[
             {"minute": m * 60, **counts} for m, counts in self._minutes],
-            saved_tokens=self._saved_tokens, saved_seconds=self._saved_seconds)
+            saved_tokens=self._saved_tokens, saved_seconds=self._saved_seconds,
+            prefill_tokens=self._prefill_tokens, prefill_reused=self._prefill_reused)
 
     def collect(self) -> Iterator[Metric]:
         """The metric families, built at scrape time."""
@@ -179,6 +186,11 @@ class RequestTally(Collector):
              self._saved_seconds),
             ("cacheproxy_coalesced_followers",
              "Requests that followed another request's generation", self._coalesced),
+            ("cacheproxy_prefill_tokens", "Prompt tokens of the generations",
+             self._prefill_tokens),
+            ("cacheproxy_prefill_reused_tokens",
+             "Prompt tokens a generation took from a saved prefix state (exact reuse)",
+             self._prefill_reused),
         ):
             yield CounterMetricFamily(name, doc, value=value)
 
@@ -211,6 +223,11 @@ class Metrics:
                                  registry=r)
         self.queue_depth = Gauge("cacheproxy_lane_queue_depth",
                                  "Generations waiting for or running on the lane", registry=r)
+        self.prefix_entries = Gauge("cacheproxy_prefix_entries",
+                                    "Saved prefix states (exact prefix reuse, in-process)",
+                                    registry=r)
+        self.prefix_bytes = Gauge("cacheproxy_prefix_bytes", "Bytes of the saved prefix states",
+                                  registry=r)
         self.invalidation = Gauge("cacheproxy_invalidation_events",
                                   "Reloads, fingerprint changes and purges", ["event"],
                                   registry=r)
@@ -223,6 +240,8 @@ class Metrics:
             self.store_entries.set(gauges["entries"])
             self.store_bytes.set(gauges["bytes"])
         self.queue_depth.set(gauges.get("queued", 0))
+        self.prefix_entries.set(gauges.get("prefix_entries", 0))
+        self.prefix_bytes.set(gauges.get("prefix_bytes", 0))
         self.l1_tracked.set(1 if gauges.get("l1") == "tracked" else 0)
         self.l1_invalidations.set(gauges.get("l1_invalidations") or 0)
         self.l1_restarts.set(gauges.get("l1_tracking_restarts") or 0)

@@ -31,7 +31,19 @@ class Failed:
     error: ProxyError
 
 
-Event = Chunk | Finished | Failed
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    """What a generation's prefill did: prompt tokens taken from a saved state, and all."""
+
+    reused: int
+    total: int
+
+    def header(self) -> str:
+        """The X-Cache-Prefill header value."""
+        return f"reused={self.reused}; total={self.total}"
+
+
+Event = Chunk | Finished | Failed | Prefill
 
 
 class Generation:
@@ -39,13 +51,16 @@ class Generation:
 
     def __init__(self) -> None:
         # A deque and one waiter, not an asyncio.Queue: a put per token is on the miss path.
-        self._events: deque[Event] = deque()
+        self._events: deque[Chunk | Finished | Failed] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._loop = asyncio.get_running_loop()
         self.output: Output | None = None
         self.cancelled = False
         # The fingerprint digest of the model that actually ran it, when the runner knows.
         self.produced_by: str | None = None
+        # What its prefill did, when the runner says (before its first chunk).
+        self.prefill: Prefill | None = None
+        self.on_prefill: Callable[[Prefill], None] | None = None
         self._relay: Callable[[Chunk], None] | None = None  # set while relay() runs
         self.live = Live()  # whether its chunks are awaited as they come
 
@@ -59,6 +74,11 @@ class Generation:
             # Nothing queued before it: hand it on where it arrives, on the producer's stack
             # (so `publish` must neither raise nor block).
             self._relay(event)
+            return
+        if isinstance(event, Prefill):
+            self.prefill = event
+            if self.on_prefill is not None:
+                self.on_prefill(event)
             return
         self._events.append(event)
         if self._waiter is not None and not self._waiter.done():

@@ -1,7 +1,9 @@
 """In-process MLX runner: one worker thread owns the model; generations run one at a time.
 
-Every generation is the reproducible kind: a fresh KV cache (cold prefill), a fixed
-prefill step, batch of one, greedy unless an explicit seed asks for sampling.
+Every generation is the reproducible kind: batch of one, a fixed prefill step, greedy
+unless an explicit seed asks for sampling, and a prefill that is cold or continues from a
+state a cold prefill passes through (`prefix`: saved at a multiple of the prefill step, so
+the answer is bit-identical either way).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from cacheproxy.keys.canonical import CanonicalRequest, RunnerDefaults
 from cacheproxy.keys.codec import Chunk, Output
 from cacheproxy.keys.digests import DigestMemo
 from cacheproxy.keys.grammar import engine_version
-from cacheproxy.runners import decoding
+from cacheproxy.runners import decoding, prefix
 from cacheproxy.runners.assembler import Assembler
-from cacheproxy.runners.base import Finished, Generation, failure
+from cacheproxy.runners.base import Finished, Generation, Prefill, failure
 from cacheproxy.runners.chat import (
     ChatPrompt,
     ChatSplit,
@@ -33,7 +35,8 @@ from cacheproxy.runners.chat import (
 from cacheproxy.runners.constrain import Grammars, constraint_for
 from cacheproxy.runners.watcher import Snapshot, snapshot
 
-PREFILL_STEP = 512
+PREFILL_STEP = 512  # mlx-lm's chunk of prompt tokens per prefill step (the default setting)
+PREFIX_CACHE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,8 @@ class MlxOptions:
     max_tokens_cap: int = 4096
     device_scope: bool = False
     digest_memo: Path | None = None
+    prefill_step: int = PREFILL_STEP  # changes answers on batch-variant runtimes: pinned
+    prefix_cache_bytes: int = PREFIX_CACHE_BYTES  # 0: every prefill cold (never changes one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +64,7 @@ class Loaded:
     fingerprint: fp.Fingerprint
     snapshot: Snapshot
     grammars: Grammars
+    prefixes: prefix.PrefixStore | None  # None: off, or a cache this reuse cannot cut
 
 
 class ModelChanging(Exception):
@@ -66,12 +72,13 @@ class ModelChanging(Exception):
 
 
 def local_fingerprint(model_id: str, path: Path, *, device: str = "",
+                      prefill_step: int = PREFILL_STEP,
                       versions: fp.VersionSource = fp.installed_versions,
                       memo: DigestMemo | None = None) -> fp.Fingerprint:
     """The fingerprint the in-process runner serves a model directory under (without
     loading it: `cacheproxy fingerprint` and `import` compute the same)."""
     return fp.compute(model_id, path, device=device, grammar_engine=engine_version(),
-                      versions=versions, memo=memo)
+                      prefill_step=prefill_step, versions=versions, memo=memo)
 
 
 def resolve_model_path(model: str) -> Path:
@@ -149,11 +156,20 @@ class MlxRunner:
         )
         device = _device() if self._options.device_scope else ""
         fingerprint = local_fingerprint(self._options.model_id, path, device=device,
+                                        prefill_step=self._options.prefill_step,
                                         versions=self._versions, memo=self._memo)
         if snapshot(path) != before:
             raise ModelChanging(f"the files of {path} changed while loading")
         grammars = Grammars(tokenizer, int(config.get("vocab_size") or len(tokenizer.vocab)))
-        return Loaded(model, tokenizer, defaults, fingerprint, before, grammars)
+        return Loaded(model, tokenizer, defaults, fingerprint, before, grammars,
+                      self._prefix_store(model))
+
+    def _prefix_store(self, model: Any) -> prefix.PrefixStore | None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        if self._options.prefix_cache_bytes <= 0 or not prefix.supports(make_prompt_cache(model)):
+            return None
+        return prefix.PrefixStore(self._options.prefill_step, self._options.prefix_cache_bytes)
 
     @property
     def loaded_snapshot(self) -> Snapshot:
@@ -184,8 +200,12 @@ class MlxRunner:
         return self._current().grammars.vocab_size
 
     def lane_state(self) -> dict[str, int]:
-        """Queued jobs and whether one is generating."""
-        return {"queued": self._queued, "busy": int(self._busy), "lanes": 1}
+        """Queued jobs, whether one is generating, and the prefix store's figures."""
+        state = {"queued": self._queued, "busy": int(self._busy), "lanes": 1}
+        prefixes = self._loaded.prefixes if self._loaded is not None else None
+        if prefixes is not None:
+            state.update(prefixes.state())
+        return state
 
     def generate(self, request: CanonicalRequest) -> Generation:
         """Queue a generation on the lane; 503 when the queue is full."""
@@ -231,14 +251,14 @@ class MlxRunner:
                 f"the prompt is {len(prompt.ids)} tokens; this model's context is {context} "
                 "tokens", param="messages" if request.endpoint == "chat" else "prompt")
         self.generations += 1
-        steps = self._steps(loaded, request, prompt, min(request.max_tokens,
-                                                           context - len(prompt.ids)))
+        steps = self._steps(loaded, request, prompt, generation,
+                            min(request.max_tokens, context - len(prompt.ids)))
         chunks, finish, count = self._decode(loaded.tokenizer, request, steps, assembler,
                                              generation)
         return Output(tuple(chunks), finish, len(prompt.ids), count)
 
     def _steps(self, loaded: Loaded, request: CanonicalRequest, prompt: ChatPrompt,
-               max_tokens: int) -> Any:
+               generation: Generation, max_tokens: int) -> Any:
         import mlx.core as mx
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
@@ -248,11 +268,18 @@ class MlxRunner:
                                     prompt.initial_state) if request.endpoint == "chat" else None
         if constraint is not None:
             processors = [*processors, constraint]  # last: nothing reopens a masked token
+        ids, cache, reused, held = prompt.ids, make_prompt_cache(loaded.model), 0, 0
+        if loaded.prefixes is not None:
+            # The cache brought to where a cold prefill of this prompt passes a multiple of
+            # the step (from a saved state when one holds a prefix); generate_step goes on
+            # from there in the chunks it would have used.
+            reused, held = prefix.warm(loaded.prefixes, loaded.model, cache, ids)
+            processors = prefix.with_history(processors, ids[:held])
+        generation.push(Prefill(reused, len(ids)))
         return generate_step(
-            mx.array(prompt.ids), loaded.model, max_tokens=max_tokens, sampler=sampler,
-            logits_processors=processors,
-            prompt_cache=make_prompt_cache(loaded.model),  # cold prefill, every time
-            prefill_step_size=PREFILL_STEP)
+            mx.array(ids[held:]), loaded.model, max_tokens=max_tokens, sampler=sampler,
+            logits_processors=processors, prompt_cache=cache,
+            prefill_step_size=self._options.prefill_step)
 
     def _decode(self, tokenizer: Any, request: CanonicalRequest, steps: Any,
                 assembler: Assembler, generation: Generation) -> tuple[list[Chunk], str, int]:

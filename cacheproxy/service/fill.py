@@ -75,6 +75,7 @@ class Filler:
         """Run the generation on the lane, publish it live, store it if it may be stored."""
         started = time.monotonic()
         generation = self._runner.generate(order.request)
+        generation.on_prefill = flight.prefilled
         flight.live.when(generation.live.start)
         try:
             async with asyncio.timeout(self._timeout):
@@ -96,13 +97,13 @@ class Filler:
             ran_on in (None, order.fingerprint)
         if order.store and unchanged and output.finish_reason in codec.FINISHED:
             await self._storage.put(flight.key, self._record(order.request, output,
-                                                             flight.generation_ms))
+                                                             flight.generation_ms, flight))
         flight.finish(output)
 
-    def _record(self, request: CanonicalRequest, output: codec.Output, ms: float
-                ) -> codec.Record:
+    def _record(self, request: CanonicalRequest, output: codec.Output, ms: float,
+                flight: Flight) -> codec.Record:
         fp = self._runner.fingerprint()
-        provenance = {
+        provenance: dict[str, object] = {
             "fingerprint": fp.digest,
             "fingerprint_fields": fp.fields(),
             "created_at": self._clock(),
@@ -110,6 +111,10 @@ class Filler:
             "proxy_version": __version__,
             "lane": "batch-of-one, cold prefill",
         }
+        if (prefill := flight.prefill) is not None and prefill.reused:
+            # Bit-identical to cold: continued from a state saved at a multiple of the step.
+            provenance["lane"] = "batch-of-one, aligned prefill"
+            provenance["prefill"] = {"reused": prefill.reused, "total": prefill.total}
         return codec.Record(request=request.wire(), output=output, provenance=provenance)
 
 

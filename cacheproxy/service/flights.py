@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from cacheproxy.errors import GenerationFailed, ProxyError
 from cacheproxy.keys.codec import Chunk, Output
 from cacheproxy.keys.key import CacheKey
+from cacheproxy.runners.base import Prefill
 from cacheproxy.runners.live import Live
 
 
@@ -29,6 +30,7 @@ class Flight:
         self.created_at: float | None = None  # of the stored record a replay came from
         self.generation_ms: float | None = None
         self.revalidated: str | None = None  # "match" | "mismatch" after a no-cache refill
+        self.prefill: Prefill | None = None  # what the generation's prefill did (in-process)
         self.live = Live()  # a streaming reader takes the chunks as they come
         self._changed = asyncio.Event()  # replaced at every change: wakes every reader
         self._ended = asyncio.Event()  # set once: wakes whole-answer readers only at the end
@@ -55,6 +57,11 @@ class Flight:
         self._ended.set()
         self._wake()
 
+    def prefilled(self, prefill: Prefill) -> None:
+        """The generation's prefill is done (before its first chunk)."""
+        self.prefill = prefill
+        self._wake()
+
     def _wake(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
@@ -65,6 +72,12 @@ class Flight:
             await self._changed.wait()
         if self.error is not None and not self.chunks:
             raise self.error
+
+    async def prefill_known(self) -> None:
+        """Wait until the prefill is reported, the first chunk, or the end (a stream's
+        headers carry the prefill; a replay or an upstream has none to report)."""
+        while self.prefill is None and not self.chunks and not self.done:
+            await self._changed.wait()
 
     async def ended(self) -> Output:
         """The output once the fill ends, without a wake-up per chunk; or its error."""

@@ -4,9 +4,11 @@ Each memo is bounded (entries and reported bytes, least recently used out first)
 remembered value is used only while what it was derived from is unchanged, so a memo can
 only skip work, never change an answer:
 
-- `ParseMemo` — parsed requests (`Parsed`) by (endpoint, body bytes) for bodies up to
-  MAX_MEMO_BODY. Valid while the runner's defaults are the very object they were parsed
-  under (a reload makes new ones) and the sampling mode is the same.
+- `ParseMemo` — parsed requests (`Parsed`) by (endpoint, cache scope, body bytes) for
+  bodies up to MAX_MEMO_BODY (the scope: under `per-key` no tenant's parse is faster for a
+  body another tenant sent, so timing tells nobody what others ask). Valid while the
+  runner's defaults are the very object they were parsed under (a reload makes new ones)
+  and the sampling mode is the same.
 - `DecodedRecords` — decoded records and their packed canonical request by key. Valid while
   the store returns the very same bytes under that key.
 - `HitTemplates` — rendered hit bodies, with the response id and creation time left open
@@ -51,6 +53,10 @@ class LRU(Generic[K, V]):
         self._max_bytes = max_bytes
         self._bytes = 0
 
+    def keys(self) -> list[K]:
+        """The keys, least recently used first."""
+        return list(self._data)
+
     def get(self, key: K) -> V | None:
         """The value, marked as recently used."""
         item = self._data.get(key)
@@ -80,19 +86,21 @@ class LRU(Generic[K, V]):
 
 
 class ParseMemo:
-    """Repeated identical bodies skip JSON decoding and canonicalization."""
+    """Repeated identical bodies (of one cache scope) skip JSON decoding and
+    canonicalization."""
 
     def __init__(self, max_entries: int = 4096, *, max_tokens_cap: int | None = None) -> None:
-        self._memo: LRU[tuple[Route, bytes], tuple[RunnerDefaults, SamplingMode, Parsed]] = \
-            LRU(max_entries)
+        self._memo: LRU[tuple[Route, str, bytes],
+                        tuple[RunnerDefaults, SamplingMode, Parsed]] = LRU(max_entries)
         self._cap = max_tokens_cap
 
     def parse(
-        self, raw: bytes, route: Route, defaults: RunnerDefaults, mode: SamplingMode
+        self, raw: bytes, route: Route, defaults: RunnerDefaults, mode: SamplingMode,
+        scope: str = "",
     ) -> Parsed:
         """Same as canonical.parse(decode_body(raw), ...) (or parse_responses for the
-        Responses API), remembered for small bodies."""
-        memo_key = (route, raw)
+        Responses API), remembered for small bodies, per cache scope."""
+        memo_key = (route, scope, raw)
         known = self._memo.get(memo_key) if len(raw) <= MAX_MEMO_BODY else None
         if known is not None and known[0] is defaults and known[1] == mode:
             return known[2]

@@ -152,7 +152,7 @@ class CachingProxy:
                     return repeat
                 self._repeats.forget(memo_key)
         parsed = self.memos.parser.parse(raw, endpoint, self.runner.defaults(),
-                                         self.options.sampling)
+                                         self.options.sampling, scope)
         directives = parse_cache_control(control)
         await self._gate()  # held while the model reloads, so the key uses the new fingerprint
         serving = self.runner.fingerprint()
