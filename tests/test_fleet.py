@@ -172,7 +172,7 @@ async def test_a_purge_on_one_replica_reaches_the_others_l1(
                 assert time.monotonic() < deadline, "the other replica kept serving it"
                 await asyncio.sleep(0.01)
             assert status == "MISS"  # generated anew, as the purge asked
-            async with session.get(f"{other}/metrics") as resp:
+            async with session.get(f"{other}/metrics", headers=admin) as resp:
                 metrics = await resp.text()
             assert "cacheproxy_store_l1_tracked 1.0" in metrics
             assert "cacheproxy_store_l1_invalidations 0.0" not in metrics

@@ -1,9 +1,9 @@
 """Tool calling, tool history, tool_choice and reasoning end to end: the real demo model, real
 HTTP, the real openai SDK. The demo model was trained to call `get_weather(city)` when it is
 offered and asked about the weather, to answer from the tool's result, and to think first
-when its template opens a thought (`enable_thinking`, on by default, as mlx-lm has it). It
-calls, answers and thinks in the trained formats, but it does not yet copy the city, the
-result or the animal from the prompt: that is one xfail test (issue #17 stays open)."""
+when its template opens a thought (`enable_thinking`, on by default, as mlx-lm has it), and
+it copies from the prompt: the city into the call, the tool's result into the answer, the
+animal asked about into the answer."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ async def test_the_weather_question_is_one_call_then_a_hit_with_the_same_ids(
         assert (h1["x-cache"], h2["x-cache"]) == ("MISS", "HIT")
         (call,) = calls_of(miss)
         assert call["name"] == "get_weather"
-        assert list(json.loads(call["arguments"])) == ["city"]  # (which city: see the xfail)
+        assert json.loads(call["arguments"]) == {"city": city}
         assert call["id"].startswith("call_")
         assert calls_of(hit) == calls_of(miss)  # ids included
         assert miss.choices[0].finish_reason == hit.choices[0].finish_reason == "tool_calls"
@@ -186,9 +186,6 @@ async def test_legacy_functions_answer_with_function_call(make_proxy: ProxyFacto
     assert "tool_calls" not in choice["message"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue #17 is open: the demo model does not copy what it "
-                   "was asked (its next-token distribution after 'The user asks about the' is "
-                   "the same for every animal): it calls get_weather with a city of its own")
 async def test_the_demo_model_copies_the_city_the_result_and_the_animal(
     make_proxy: ProxyFactory
 ) -> None:

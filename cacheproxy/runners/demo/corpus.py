@@ -290,13 +290,6 @@ KINDS: tuple[tuple[float, Callable[[random.Random], str]], ...] = (
 )
 
 
-# The second phase: more of what copies from the prompt, some of everything else.
-TUNING: tuple[tuple[float, Callable[[random.Random], str]], ...] = (
-    (0.22, _dialogue), (0.03, _story), (0.28, _weather_call), (0.20, _weather_answer),
-    (0.06, _time_call), (0.05, _unrelated), (0.09, _extraction), (0.07, _json_answer),
-)
-
-
 def corpus(seed: int = 0, documents: int = 12000,
            weights: tuple[tuple[float, Callable[[random.Random], str]], ...] = KINDS
            ) -> list[str]:
