@@ -61,6 +61,12 @@ class Proxy:
     app: web.Application
     client: openai.AsyncOpenAI
     store: Backend
+    server: TestServer | None = None
+
+    async def stop(self) -> None:
+        """Stop serving now (as a replica that shuts down), not at teardown."""
+        if self.server is not None:
+            await self.server.close()
 
     async def entries(self) -> int:
         """Entries stored under the serving fingerprint's namespace."""
@@ -98,7 +104,7 @@ async def make_proxy(runner: MlxRunner, tmp_path: Path) -> AsyncIterator[ProxyFa
         url = f"http://127.0.0.1:{server.port}"
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         clients.append(client)
-        return Proxy(url, app, client, backend)
+        return Proxy(url, app, client, backend, server)
 
     yield start
     for client in clients:

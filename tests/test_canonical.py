@@ -488,9 +488,9 @@ bodies = st.fixed_dictionaries(
 @given(body=bodies, mode=st.sampled_from(list(SamplingMode)))
 def test_wire_round_trip(body: dict[str, Any], mode: SamplingMode) -> None:
     request = parse(body, "chat", DEFAULTS, mode).request
-    assert CanonicalRequest.from_wire(request.wire()) == request
+    assert CanonicalRequest.from_wire(request.wire(), request.model) == request
     through_msgpack = msgpack.unpackb(msgpack.packb(request.wire()))
-    assert CanonicalRequest.from_wire(through_msgpack) == request
+    assert CanonicalRequest.from_wire(through_msgpack, request.model) == request
 
 
 @settings(max_examples=40, deadline=None)
@@ -508,4 +508,5 @@ def test_wire_round_trip_completions(prompt: str, logprobs: int | None, sampling
     }
     request = parse(body, "completions", DEFAULTS, SEEDED).request
     assert request.sampling == sampling
-    assert CanonicalRequest.from_wire(msgpack.unpackb(msgpack.packb(request.wire()))) == request
+    assert CanonicalRequest.from_wire(msgpack.unpackb(msgpack.packb(request.wire())),
+                                     request.model) == request

@@ -300,3 +300,34 @@ def test_a_hard_limit_that_cannot_be_raised_again_leaves_the_soft_one_under_it(
     cli.restore_file_limit((65536, 65536), 1000)
     assert calls == [(65536, 65536), (4096, 4096)]
     assert "WARNING" not in capsys.readouterr().err  # 2048 (the fake reads it) fits 1000
+
+
+def _complete(url: str, model: str) -> dict[str, str]:
+    body = json.dumps({"model": model, "prompt": "The fox", "max_tokens": 8}).encode()
+    request = urllib.request.Request(url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        assert json.loads(resp.read())["model"] == model  # the name the client used
+        return dict(resp.headers)
+
+
+def test_two_installs_of_the_same_files_share_entries_and_purge_nothing(tmp_path: Path) -> None:
+    """(#21) The fingerprint is content-addressed: the same model files under another path
+    and another name are the same producer. The second start-up is a HIT on the first's
+    entries, and neither start-up supersedes the other's namespace."""
+    from cacheproxy.runners.demo.model import write_copy
+
+    first, second = write_copy(tmp_path / "a"), write_copy(tmp_path / "b")
+    store = f"disk://{tmp_path / 'store'}"
+    with serving("--model", str(first), "--model-id", "one", "--store", store, "--no-watch",
+                 "--supersede-grace", "0") as url:
+        miss = _complete(url, "one")
+    with serving("--model", str(second), "--model-id", "two", "--store", store, "--no-watch",
+                 "--supersede-grace", "0") as url:
+        hit = _complete(url, "two")
+    assert (miss["X-Cache"], hit["X-Cache"]) == ("MISS", "HIT")
+    assert miss["X-Cache-Fingerprint"] == hit["X-Cache-Fingerprint"]
+    out = subprocess.run([*CLI, "stats", "--store", store, "--json"], check=True,
+                         capture_output=True, text=True)
+    (namespace,) = json.loads(out.stdout)["namespaces"]
+    assert (namespace["state"], namespace["entries"]) == ("current", 1)

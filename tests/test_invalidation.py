@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import shutil
 import weakref
@@ -13,14 +14,20 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from backends import open_backend
 from backends.base import NamespaceStats
-from cacheproxy.edge.state import INVALIDATOR
+from cacheproxy.edge.state import INVALIDATOR, PROXY
+from cacheproxy.keys import fingerprint as fp
 from cacheproxy.keys.fingerprint import EngineVersions, installed_versions
 from cacheproxy.runners.demo.model import write_copy
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
 from cacheproxy.service.namespaces import Registry
 from policies.invalidation import InvalidationPolicy
 from tests.conftest import Proxy, ProxyFactory, eventually
+from tests.conftest_redis import StartServer
+
+FINGERPRINT_A = fp.compute("demo", Path(__file__).resolve().parents[1] / "cacheproxy" /
+                           "runners" / "demo" / "data" / "demo-model")
 
 BODY = {"prompt": "The fox", "max_tokens": 16}
 
@@ -102,9 +109,10 @@ async def test_engine_upgrade_at_start_up_supersedes_and_purges(
     _, h1, _ = await _complete(before)
     old = h1["X-Cache-Fingerprint"]
     assert h1["X-Cache"] == "MISS" and await _namespace_entries(before, old) == 1
+    await before.stop()  # (its lease released: superseded once the grace period is over)
 
     # The same model and store, restarted on the installed engine versions.
-    after = await make_proxy(store=store, the_runner=await _start(
+    after = await make_proxy(store=store, supersede_grace=0.0, the_runner=await _start(
         own_runner, model, versions=installed_versions))
     await after.app[INVALIDATOR].idle()
     assert await _namespace_entries(after, old) == 0
@@ -253,3 +261,60 @@ async def test_a_reload_longer_than_reload_wait_answers_503(
             assert (await resp.json())["error"]["code"] == "overloaded"
         (await busy).release()
         await reload
+
+
+async def test_two_engine_versions_serve_side_by_side_and_the_old_goes_after_its_grace(
+    make_proxy: ProxyFactory, own_runner: list[MlxRunner], tmp_path: Path,
+    start_redis: StartServer,
+) -> None:
+    """(#21) A rolling upgrade on one Redis: while both versions run, each replica answers HIT
+    from its own namespace and neither is superseded (each holds a renewed lease); once the
+    old replica stops, its namespace goes when the grace period has passed."""
+    model = write_copy(tmp_path / "model")
+    store = f"{start_redis().url}/0"
+    timing = {"lease_ttl": 0.3, "supersede_grace": 1.0}  # renewed every 0.1 s
+    old = await make_proxy(store=store, **timing, the_runner=await _start(
+        own_runner, model, versions=lambda: EngineVersions("0.0.1", "0.0.1")))
+    new = await make_proxy(store=store, **timing, the_runner=await _start(
+        own_runner, model, versions=installed_versions))
+    seen: dict[str, list[str]] = {"old": [], "new": []}
+    started = asyncio.get_running_loop().time()
+    while asyncio.get_running_loop().time() - started < 3.0:  # ten leases' worth
+        for name, proxy in (("old", old), ("new", new)):
+            _, headers, _ = await _complete(proxy)
+            seen[name].append(headers["X-Cache"])
+        await asyncio.sleep(0.05)
+    assert all(s[0] == "MISS" and set(s[1:]) == {"HIT"} for s in seen.values()), seen
+    digests = {name: proxy.app[PROXY].runner.fingerprint().digest
+               for name, proxy in (("old", old), ("new", new))}
+    reports = {r.namespace.digest: r for r in await Registry(new.store).report()}
+    assert [(reports[d].namespace.state, reports[d].replicas, reports[d].entries)
+            for d in digests.values()] == [("current", 1, 1), ("current", 1, 1)]
+    assert new.app[INVALIDATOR].counters["namespaces_purged"] == 0
+    assert old.app[INVALIDATOR].counters["namespaces_purged"] == 0
+
+    await old.stop()
+    stopped = asyncio.get_running_loop().time()
+    await eventually(lambda: new.app[INVALIDATOR].counters["namespaces_purged"] == 1,
+                     within=5, every=0.05)
+    assert asyncio.get_running_loop().time() - stopped >= 1.0  # not before the grace
+    await new.app[INVALIDATOR].idle()
+    assert await _namespace_entries(new, digests["old"]) == 0
+    reports = {r.namespace.digest: r for r in await Registry(new.store).report()}
+    assert reports[digests["old"]].namespace.state == "superseded"
+    assert (reports[digests["new"]].namespace.state, reports[digests["new"]].replicas) == \
+        ("current", 1)
+
+
+async def test_a_replica_that_dies_keeps_its_namespace_until_lease_and_grace_lapse() -> None:
+    """A crashed replica releases nothing: its lease lapses, then the grace period runs."""
+    now = [0.0]
+    store = open_backend("memory://")
+    registry = Registry(store, clock=lambda: now[0])
+    a = dataclasses.replace(FINGERPRINT_A, engine_version="1")
+    b = dataclasses.replace(FINGERPRINT_A, engine_version="2")
+    assert await registry.observe(a, replica="r1", lease_ttl=30, grace=60) == []
+    for t, superseded in ((10, []), (29, []), (31, []), (89, []), (91, [a.digest])):
+        now[0] = t
+        assert await registry.observe(b, replica="r2", lease_ttl=30, grace=60) == superseded, t
+    await store.aclose()

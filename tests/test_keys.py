@@ -15,7 +15,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from cacheproxy.keys.canonical import ROLES, Endpoint, RunnerDefaults, parse
-from cacheproxy.keys.fingerprint import Fingerprint
+from cacheproxy.keys.fingerprint import UNDIGESTED, Fingerprint
 from cacheproxy.keys.key import CacheKey, make_key
 from policies.sampling import SamplingMode
 
@@ -429,11 +429,21 @@ def test_scope_changes_key() -> None:
 # (d) Any change of the pinned configuration changes the namespace and so the key.
 
 
+def test_the_name_and_path_of_the_files_do_not_split_the_namespace() -> None:
+    # (#21) Content-addressed: two proxies serving the same files share entries.
+    moved = dataclasses.replace(FINGERPRINT, model_id="other-name", model_path="/elsewhere")
+    assert moved.digest == FINGERPRINT.digest
+    assert moved.fields()["model_path"] == "/elsewhere"  # still in the provenance
+    served_as = parse({**CHAT, "model": "demo"}, "chat", DEFAULTS, SEEDED).request
+    other = dataclasses.replace(served_as, model="other-name")
+    assert make_key(other, FINGERPRINT.digest) == make_key(served_as, FINGERPRINT.digest)
+
+
 def changed_fingerprints() -> list[tuple[str, Fingerprint]]:
     """FINGERPRINT with one field (or one quantization value) changed at a time."""
     out = []
     for f in dataclasses.fields(Fingerprint):
-        if f.name == "quantization" or not f.init:  # `digest` is derived from the others
+        if f.name in ("quantization", *UNDIGESTED) or not f.init:  # `digest`: derived
             continue
         value = getattr(FINGERPRINT, f.name)
         other = value + 1 if isinstance(value, int) else value + "x"
@@ -463,7 +473,7 @@ CHANGED = changed_fingerprints()
 
 
 def test_every_fingerprint_field_is_covered() -> None:
-    names = {name.split(".")[0] for name, _ in CHANGED}
+    names = {name.split(".")[0] for name, _ in CHANGED} | set(UNDIGESTED)
     assert names == {f.name for f in dataclasses.fields(Fingerprint) if f.init}
 
 

@@ -59,6 +59,8 @@ class Settings:
     max_connections: int = 1000
     store_retry: float = 2.0
     lock_ttl: float = 10.0
+    lease_ttl: float = 30.0  # a replica's lease on the namespace it serves (renewed every third)
+    supersede_grace: float = 60.0  # how long after its last replica a namespace is superseded
     replay: bool = False
     upstream: tuple[str, ...] = ()  # mlx_lm.server URLs: generate there instead of in-process
     model_dir: str = ""  # with upstream: the model directory the upstreams serve
@@ -140,6 +142,8 @@ def validate(settings: Settings) -> None:
         "max_connections": settings.max_connections >= 1,
         "store_retry": settings.store_retry > 0,
         "lock_ttl": settings.lock_ttl > 0,
+        "lease_ttl": settings.lease_ttl > 0,
+        "supersede_grace": settings.supersede_grace >= 0,
         "upstream_timeout": settings.upstream_timeout > 0,
         "prefill_step": settings.prefill_step >= 1,
         "prefix_cache_bytes": settings.prefix_cache_bytes >= 0,

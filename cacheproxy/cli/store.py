@@ -32,6 +32,7 @@ async def stats(url: str, *, as_json: bool, out: TextIO = sys.stdout) -> int:
     rows: list[dict[str, Any]] = [
         {"namespace": r.namespace.digest, "model_id": r.namespace.model_id,
              "state": r.namespace.state, "entries": r.entries, "bytes": r.bytes,
+             "replicas": r.replicas,
              "first_seen": r.namespace.first_seen, "last_seen": r.namespace.last_seen,
              "engine": f"mlx-lm {r.namespace.fields.get('engine_version')} / "
                        f"mlx {r.namespace.fields.get('mlx_version')}"}
@@ -47,11 +48,12 @@ async def stats(url: str, *, as_json: bool, out: TextIO = sys.stdout) -> int:
     print(f"store {url}: {entries} entries in {len(rows)} {spaces}, {summary['bytes']} bytes "
           f"(bound {summary['max_bytes']}); {summary['keys']} keys with the namespace registry",
           file=out)
-    print(f"{'namespace':34} {'state':11} {'entries':>8} {'bytes':>10}  model / engine / last seen",
-          file=out)
+    print(f"{'namespace':34} {'state':11} {'replicas':>8} {'entries':>8} {'bytes':>10}  "
+          "model / engine / last seen", file=out)
     for r in rows:
-        print(f"{r['namespace']:34} {r['state']:11} {r['entries']:>8} {r['bytes']:>10}  "
-              f"{r['model_id']} / {r['engine']} / {_when(r['last_seen'])}", file=out)
+        print(f"{r['namespace']:34} {r['state']:11} {r['replicas']:>8} {r['entries']:>8} "
+              f"{r['bytes']:>10}  {r['model_id']} / {r['engine']} / {_when(r['last_seen'])}",
+              file=out)
     return 0
 
 

@@ -20,7 +20,8 @@ async def stats(request: web.Request) -> web.Response:
     data = await snapshot(request.app)
     reports = await Registry(request.app[PROXY].store).report()
     data["namespaces"] = [{"namespace": r.namespace.digest, "model_id": r.namespace.model_id,
-                           "state": r.namespace.state, "entries": r.entries, "bytes": r.bytes}
+                           "state": r.namespace.state, "replicas": r.replicas,
+                           "entries": r.entries, "bytes": r.bytes}
                           for r in reports]
     return json_response(data)
 

@@ -53,6 +53,8 @@ class CanonicalRequest:
     """Everything that can change the generated answer, and nothing else."""
 
     endpoint: Endpoint
+    # The served model's name, for the response: not in `wire()` (nor the key), since the
+    # answer depends on the files (the fingerprint), never on what they are called.
     model: str
     messages: tuple[Message, ...]
     prompt: str
@@ -82,7 +84,6 @@ class CanonicalRequest:
         s = self.sampling
         return {
             "endpoint": self.endpoint,
-            "model": self.model,
             "messages": [m.wire() for m in self.messages],
             "prompt": self.prompt,
             "max_tokens": self.max_tokens,
@@ -104,12 +105,15 @@ class CanonicalRequest:
         }
 
     @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> CanonicalRequest:
-        """Inverse of `wire` (for replaying stored requests)."""
+    def from_wire(cls, data: Mapping[str, Any], model: str = "") -> CanonicalRequest:
+        """Inverse of `wire` (for replaying stored requests), under the served `model` name
+        (records stored before names left the key carry one: ignored)."""
+        data = {k: v for k, v in data.items() if k != "model"}
         messages = tuple(Message.from_wire(m) for m in data["messages"])
         bias = tuple((int(t), float(b)) for t, b in data["logit_bias"])
         offered = tuple(Tool(*t) for t in data.get("tools", ()))
-        return cls(**{**data, "messages": messages, "sampling": Sampling(**data["sampling"]),
+        return cls(**{**data, "model": model, "messages": messages,
+                      "sampling": Sampling(**data["sampling"]),
                       "stop": tuple(data["stop"]), "logit_bias": bias, "tools": offered})
 
 

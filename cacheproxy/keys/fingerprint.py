@@ -20,7 +20,10 @@ import xxhash
 
 from cacheproxy.keys.digests import DigestMemo, hash_files
 
-FINGERPRINT_SCHEMA = 1
+FINGERPRINT_SCHEMA = 2  # 2: content-addressed (no model name or path in the digest)
+# In the provenance, not in the digest: where the files are and what they are called do not
+# produce the answer, so two proxies serving the same files share entries.
+UNDIGESTED = ("model_id", "model_path")
 WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf", ".bin")
 # generation_config.json can set eos_token_id, which decides where an answer ends.
 CONFIG_FILES = ("config.json", "generation_config.json")
@@ -56,10 +59,12 @@ class Fingerprint:
     # proxy cannot see): the chunk shape changes the reductions on batch-variant runtimes.
     prefill_step: int = 0
     digest: str = field(init=False, repr=False, compare=False)
-    """xxh3_128 over msgpack of the fields; computed once (it is on every request's path)."""
+    """xxh3_128 over msgpack of the fields but UNDIGESTED; computed once (it is on every
+    request's path)."""
 
     def __post_init__(self) -> None:
-        packed = msgpack.packb([FINGERPRINT_SCHEMA, self.fields()], use_bin_type=True)
+        produced = {k: v for k, v in self.fields().items() if k not in UNDIGESTED}
+        packed = msgpack.packb([FINGERPRINT_SCHEMA, produced], use_bin_type=True)
         object.__setattr__(self, "digest", xxhash.xxh3_128_hexdigest(packed))
 
     def fields(self) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import xxhash
 from cacheproxy.keys.canonical import CanonicalRequest
 
 # Bump when the canonical form or the key layout changes: old entries become unreachable.
-KEY_SCHEMA = 2
+KEY_SCHEMA = 3  # 3: the model's name left the canonical request
 
 
 class CacheKey(str):

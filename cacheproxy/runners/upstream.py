@@ -60,7 +60,8 @@ class UpstreamRunner:
         self.generations = 0
         self.stop_cuts = 0
         # Awaited when a response reveals a new engine (the app wires the Invalidator).
-        self.on_fingerprint_change: Callable[[], Awaitable[None]] | None = None
+        # Called with the digest it served before.
+        self.on_fingerprint_change: Callable[[str], Awaitable[None]] | None = None
 
     async def start(self) -> None:
         """Read every member's engine, pin the pool's, fingerprint the model directory."""
@@ -142,12 +143,13 @@ class UpstreamRunner:
 
     async def _engine_moved(self) -> None:
         """The pool re-pinned its engine: re-key at once, then tell the Invalidator."""
+        old = self._fingerprint.digest if self._fingerprint is not None else ""
         self._fingerprint = self._with_engine(self._current().fingerprint)
         log.warning("upstream_fingerprint_changed", fingerprint=self._fingerprint.digest)
         if self.on_fingerprint_change is None:
             return
         try:
-            await self.on_fingerprint_change()
+            await self.on_fingerprint_change(old)
         except Exception as exc:  # the answer in progress still reaches its client
             log.error("fingerprint_hook_failed", error=f"{type(exc).__name__}: {exc}")
 

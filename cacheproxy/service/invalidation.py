@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -58,6 +59,8 @@ class Invalidator:
         *,
         policy: InvalidationPolicy,
         reload_wait: float,
+        lease_ttl: float = 30.0,
+        grace: float = 60.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._runner = runner
@@ -65,6 +68,11 @@ class Invalidator:
         self._policy = policy
         self._reload_wait = reload_wait
         self.registry = Registry(store, clock=clock)
+        # This replica's lease on the namespace it serves (renewed every third of it).
+        self.replica = uuid.uuid4().hex[:16]
+        self._lease_ttl = lease_ttl
+        self._grace = grace
+        self._heartbeat: asyncio.Task[None] | None = None
         self._open = asyncio.Event()
         self._open.set()
         self._watcher: asyncio.Task[None] | None = None
@@ -73,8 +81,10 @@ class Invalidator:
                          "namespaces_purged": 0, "entries_purged": 0}
 
     async def start(self, *, watch_interval: float | None) -> None:
-        """Register the serving fingerprint, supersede older ones, start watching."""
+        """Register the serving fingerprint, supersede older ones nobody serves, start
+        renewing the lease and watching."""
         await self._observe(self._runner.fingerprint())
+        self._heartbeat = asyncio.create_task(self._renew())
         if watch_interval is not None and self._runner.model_dir is not None:
             watcher = ModelWatcher(self._runner.model_dir, lambda: self._runner.loaded_snapshot,
                                    self.reload, interval=watch_interval)
@@ -115,17 +125,33 @@ class Invalidator:
         if new.digest != old:
             self.counters["fingerprint_changes"] += 1
             log.info("fingerprint_changed", old=old, new=new.digest)
+            await self._release(old, replaced=True)  # these files are gone: no grace
             await self._observe(new)
 
-    async def fingerprint_changed(self) -> None:
+    async def fingerprint_changed(self, old: str = "") -> None:
         """A runner saw its producer change by itself (say an upstream's engine version):
         register the new fingerprint and supersede the old namespaces."""
         self.counters["fingerprint_changes"] += 1
+        if old:
+            await self._release(old, replaced=True)
         await self._observe(self._runner.fingerprint())
+
+    async def _renew(self) -> None:
+        """Renew the lease every third of it (and supersede what nobody serves any more)."""
+        while True:
+            await asyncio.sleep(self._lease_ttl / 3)
+            await self._observe(self._runner.fingerprint())
+
+    async def _release(self, digest: str, *, replaced: bool = False) -> None:
+        try:
+            await self.registry.release(digest, self.replica, replaced=replaced)
+        except BackendError as exc:
+            log.warning("registry_update_failed", error=str(exc))
 
     async def _observe(self, current: Fingerprint) -> None:
         try:
-            superseded = await self.registry.observe(current)
+            superseded = await self.registry.observe(
+                current, replica=self.replica, lease_ttl=self._lease_ttl, grace=self._grace)
         except BackendError as exc:
             log.warning("registry_update_failed", error=str(exc))
             return
@@ -154,8 +180,11 @@ class Invalidator:
         await asyncio.gather(*self._purges, return_exceptions=True)
 
     async def aclose(self) -> None:
-        """Cancel the watcher and any purge in progress."""
-        tasks = [*self._purges, *([self._watcher] if self._watcher else [])]
+        """Cancel the watcher, the lease renewal and any purge in progress; release the
+        lease (the namespace's grace period starts)."""
+        tasks = [*self._purges, *(t for t in (self._watcher, self._heartbeat) if t)]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._heartbeat is not None:
+            await self._release(self._runner.fingerprint().digest)

@@ -4,13 +4,20 @@ Keys are `<digest>/<hash>`, so a namespace is a key prefix. When the producer of
 id changes (new weights, quant, tokenizer, template or engine version), the namespaces of
 that model id under other digests are superseded: never served again, and purged in the
 background unless the invalidation policy retains them for audit.
+
+A namespace is superseded only once nobody serves it: every serving replica holds a lease
+on its namespace (renewed; it lapses when the replica dies, and is released when it stops),
+and another namespace of the model id is superseded when it has no live lease and none
+for the grace period. So during a rolling upgrade both versions serve their own namespace
+and neither purges the other; the old one goes once its last replica has been gone for the
+grace period.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from backends.base import Backend, NamespaceStats
@@ -31,6 +38,14 @@ class Namespace:
     last_seen: float
     state: str  # "current" | "superseded"
     superseded_at: float | None = None
+    # The serving replicas' leases (replica id -> expiry time); a namespace with a live one
+    # is never superseded. Renewed every third of the lease by each replica.
+    leases: dict[str, float] = field(default_factory=dict)
+    served_until: float | None = None  # the last moment a replica was known to serve it
+
+
+def _live(leases: dict[str, float], now: float) -> dict[str, float]:
+    return {replica: until for replica, until in leases.items() if until > now}
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +55,7 @@ class NamespaceReport:
     namespace: Namespace
     entries: int
     bytes: int
+    replicas: int = 0  # live leases: replicas serving it now
 
 
 async def cache_entries(store: Backend, keys: int) -> int:
@@ -61,7 +77,7 @@ class Registry:
             return {}
         try:
             raw = codec.decode_meta(data)
-            return {d: Namespace(**n) for d, n in raw.items()}
+            return {d: Namespace(**n) for d, n in raw.items()}  # (older records: no leases)
         except (codec.CorruptRecord, TypeError) as exc:
             raise codec.CorruptRecord(f"registry unreadable: {exc}") from exc
 
@@ -70,8 +86,14 @@ class Registry:
         await self._store.set(REGISTRY_KEY, codec.encode_meta(
             {d: asdict(n) for d, n in namespaces.items()}))
 
-    async def observe(self, current: Fingerprint) -> list[str]:
-        """Register `current` as serving; supersede its model id's other digests; return them."""
+    async def observe(self, current: Fingerprint, *, replica: str = "", lease_ttl: float = 0.0,
+                      grace: float = 0.0) -> list[str]:
+        """Register `current` as served by `replica` (a lease of `lease_ttl` seconds, renewed
+        by calling again); supersede the model id's other namespaces that no live replica
+        serves and none has served for `grace` seconds; return them.
+
+        Without a replica (the CLI, a test) and a grace, the other namespaces nobody holds a
+        lease on are superseded at once."""
         now = self._clock()
         try:
             namespaces = await self.load()
@@ -79,28 +101,53 @@ class Registry:
             namespaces = {}  # rebuilt from what is serving now
         digest = current.digest
         known = namespaces.get(digest)
+        leases = _live(known.leases if known else {}, now)
+        if replica:
+            leases[replica] = now + lease_ttl
         namespaces[digest] = Namespace(
             digest, current.model_id, current.fields(),
-            known.first_seen if known else now, now, "current")
+            known.first_seen if known else now, now, "current", None, leases,
+            max([now, *leases.values()]))
         superseded = []
         for other, ns in namespaces.items():
+            if other == digest:
+                continue
+            live = _live(ns.leases, now)
+            if live != ns.leases:
+                ns = namespaces[other] = replace(ns, leases=live)
             same_model = ns.model_id == current.model_id
             # Per-device namespaces (--device-scope) of other machines are not superseded.
             same_device = ns.fields.get("device", "") == current.device
-            if other != digest and same_model and same_device and ns.state == "current":
+            # Still served (a replica of another version mid-upgrade), or not for long enough.
+            until = ns.served_until if ns.served_until is not None else ns.last_seen
+            served = bool(live) or now - until < grace
+            if same_model and same_device and ns.state == "current" and not served:
                 namespaces[other] = replace(ns, state="superseded", superseded_at=now)
                 superseded.append(other)
         await self.save(namespaces)
         return superseded
 
+    async def release(self, digest: str, replica: str, *, replaced: bool = False) -> None:
+        """Drop `replica`'s lease on `digest`: it stops serving (the grace period starts), or
+        its files were `replaced` (no grace: only other replicas' live leases keep it)."""
+        namespaces = await self.load()
+        ns = namespaces.get(digest)
+        if ns is None or replica not in ns.leases:
+            return
+        now = self._clock()
+        leases = {r: t for r, t in ns.leases.items() if r != replica}
+        namespaces[digest] = replace(ns, leases=leases, served_until=0.0 if replaced else now)
+        await self.save(namespaces)
+
     async def report(self) -> list[NamespaceReport]:
         """Every namespace with its entry count and bytes, newest first."""
         reports = []
+        now = self._clock()
         for ns in (await self.load()).values():
             entries, size = 0, 0
             if isinstance(self._store, NamespaceStats):
                 entries, size = await self._store.namespace_stats(ns.digest)
-            reports.append(NamespaceReport(ns, entries, size))
+            reports.append(NamespaceReport(ns, entries, size, len(_live(ns.leases, now))))
         return sorted(reports, key=lambda r: -r.namespace.last_seen)
 
     async def forget(self, digests: list[str]) -> None:
