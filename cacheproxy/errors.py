@@ -97,10 +97,25 @@ class PayloadTooLarge(ProxyError):
     code = "request_too_large"
 
 
+class AnswerTooLarge(InvalidRequest):
+    """A request whose answer could exceed the per-answer budget (--max-answer-tokens)."""
+
+    code = "response_too_large"
+
+
 class UnreadableBody(InvalidRequest):
     """The request body does not decode (its Content-Encoding): the rest of the connection
     cannot be trusted either, so it is closed after the 400."""
 
+    closes = True
+
+
+class RequestTimeout(ProxyError):
+    """The request body did not arrive within --body-timeout (a client trickling it)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
     closes = True
 
 

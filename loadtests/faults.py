@@ -17,6 +17,9 @@ with its own servers, bounded in time:
                    5xx and the server alive and answering afterwards
   soak             steady load for --soak-seconds: resident memory and open file descriptors
                    at the end vs after warm-up (/proc/PID/status VmRSS, /proc/PID/fd)
+  slowloris        --slowloris connections (1,000: the --max-connections default) trickle
+                   their headers a byte at a time while a normal client sends 100 requests,
+                   each on a new connection: expect >= 99 answered, p99 under 100 ms
 
     python loadtests/faults.py                           # all, 600 s soak
     python loadtests/faults.py --soak-seconds 120 --only soak,hostile
@@ -422,10 +425,74 @@ def soak(work: Path, args: argparse.Namespace) -> Outcome:
     return out
 
 
+def slowloris(work: Path, args: argparse.Namespace) -> Outcome:
+    out = Outcome("slowloris", expected=">= 99 % answered, p99 < 100 ms")
+    import contextlib
+    import resource
+    import socket
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = args.slowloris + 256
+    if soft < want:  # this process holds every trickling socket
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: "
+    body = chat("Tell me about the fox.", max_tokens=8)
+    with children() as procs:
+        proxy = in_process_proxy(procs, work, "--store", "memory://",
+                                 "--max-connections", str(args.slowloris))
+        port = int(proxy.url.rsplit(":", 1)[1])
+
+        async def run() -> tuple[list[float], int]:
+            async with aiohttp.ClientSession() as s:  # the answer stored: the rest are HITs
+                await post(s, proxy.url, body)
+            trickling = []
+            for _ in range(args.slowloris):
+                sock = socket.create_connection(("127.0.0.1", port))
+                sock.sendall(head)
+                sock.setblocking(False)
+                trickling.append(sock)
+            stop = asyncio.Event()
+
+            async def trickle() -> None:  # a byte per socket every 2 s, never the end
+                while not stop.is_set():
+                    for sock in trickling:
+                        with contextlib.suppress(OSError):  # closed by the server
+                            sock.send(b"a")
+                    await asyncio.sleep(2)
+
+            task = asyncio.create_task(trickle())
+            await asyncio.sleep(1)
+            times, failed = [], 0
+            connector = aiohttp.TCPConnector(force_close=True)  # a new connection each
+            async with aiohttp.ClientSession(connector=connector) as s:
+                for _ in range(100):
+                    started = time.monotonic()
+                    status, _, _ = await post(s, proxy.url, body)
+                    if status == 200:
+                        times.append(time.monotonic() - started)
+                    else:
+                        failed += 1
+            stop.set()
+            await task
+            for sock in trickling:
+                sock.close()
+            return times, failed
+
+        times, failed = asyncio.run(run())
+    out.sent, out.succeeded, out.failed = 100, len(times), failed
+    p99 = sorted(times)[max(0, int(len(times) * 0.99) - 1)] * 1000 if times else float("inf")
+    out.extra = {"p50_ms": round(sorted(times)[len(times) // 2] * 1000, 2) if times else None,
+                 "p99_ms": round(p99, 2), "trickling": args.slowloris}
+    out.notes = (f"{args.slowloris} connections trickling headers; normal client p50 "
+                 f"{out.extra['p50_ms']} ms, p99 {out.extra['p99_ms']} ms")
+    out.ok = len(times) >= 99 and p99 < 100
+    return out
+
+
 SCENARIOS: dict[str, Callable[[Path, argparse.Namespace], Outcome]] = {
     "redis-restart": redis_restart, "proxy-sigkill": proxy_sigkill,
     "runner-killed": runner_killed, "disconnects": disconnects, "hostile": hostile_requests,
-    "soak": soak,
+    "soak": soak, "slowloris": slowloris,
 }
 
 
@@ -491,12 +558,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tokens per killed generation (the demo model's context is 512)")
     p.add_argument("--storm", type=int, default=100, help="disconnecting streaming clients")
     p.add_argument("--storm-tokens", type=int, default=64)
+    p.add_argument("--slowloris", type=int, default=1000, help="connections trickling headers")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds each")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if args.smoke:
         args.soak_seconds, args.fault_seconds, args.hostile, args.pool = 4.0, 3.0, 150, 10
         args.victims, args.storm, args.storm_tokens = 3, 12, 32
+        args.slowloris = 50
     args.only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(args.only) - set(SCENARIOS)
     if unknown:

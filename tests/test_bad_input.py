@@ -177,3 +177,17 @@ async def test_expect_100_continue_over_the_limit_is_a_413_before_the_body(
         assert (await asyncio.wait_for(reader.readline(), 30)).startswith(b"HTTP/1.1 200")
     finally:
         writer.close()
+
+
+async def test_an_answer_over_the_budget_is_a_400_and_nothing_is_generated(
+        make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy(max_answer_tokens=50_000)
+    generated = proxy.generations
+    body = {"messages": [{"role": "user", "content": "Hi"}], "n": 16, "max_tokens": 400,
+            "logprobs": True, "top_logprobs": 20}
+    async with aiohttp.ClientSession() as session, \
+            session.post(proxy.url + "/v1/chat/completions", json=body) as resp:
+        error = (await resp.json())["error"]
+    assert resp.status == 400 and error["code"] == "response_too_large"
+    assert error["param"] == "max_tokens" and "50000" in error["message"]
+    assert proxy.generations == generated and await proxy.entries() == 0

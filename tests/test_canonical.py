@@ -10,7 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cacheproxy.errors import InvalidRequest, ModelNotFound, ProxyError, Unsupported
+from cacheproxy.errors import (
+    AnswerTooLarge,
+    InvalidRequest,
+    ModelNotFound,
+    ProxyError,
+    Unsupported,
+)
 from cacheproxy.keys.canonical import (
     CanonicalRequest,
     Delivery,
@@ -29,6 +35,7 @@ DEFAULTS = RunnerDefaults(
     context_length=512,
 )
 SEEDED = SamplingMode.SEEDED
+GREEDY_MODE = SamplingMode.FORCE_GREEDY
 MESSAGES = [{"role": "user", "content": "Hello"}]
 CHAT: dict[str, Any] = {"messages": MESSAGES}
 COMPLETION: dict[str, Any] = {"prompt": "Once upon"}
@@ -510,3 +517,15 @@ def test_wire_round_trip_completions(prompt: str, logprobs: int | None, sampling
     assert request.sampling == sampling
     assert CanonicalRequest.from_wire(msgpack.unpackb(msgpack.packb(request.wire())),
                                      request.model) == request
+
+
+def test_an_answer_over_the_budget_is_refused_before_anything_runs() -> None:
+    # (#19) choices x tokens x (1 + logprob alternatives): a 300-byte body must not ask for MBs.
+    body = {**CHAT, "n": 16, "max_tokens": 100, "logprobs": True, "top_logprobs": 20}
+    with pytest.raises(AnswerTooLarge) as info:
+        parse(body, "chat", DEFAULTS, GREEDY_MODE, max_answer_tokens=16 * 100 * 21 - 1)
+    assert info.value.param == "max_tokens" and info.value.code == "response_too_large"
+    assert "16" in info.value.message and "21" in info.value.message
+    parse(body, "chat", DEFAULTS, GREEDY_MODE, max_answer_tokens=16 * 100 * 21)  # at it: fine
+    no_logprobs = {**CHAT, "n": 16, "max_tokens": 100}
+    parse(no_logprobs, "chat", DEFAULTS, GREEDY_MODE, max_answer_tokens=1600)

@@ -221,6 +221,9 @@ def test_connections_past_the_bound_get_503(tmp_path: Path) -> None:
         port = int(url.rsplit(":", 1)[1])
         held = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
         try:
+            for sock in held:  # both inside a request (its body awaited): none can give way
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                             b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n")
             time.sleep(0.2)
             with socket.create_connection(("127.0.0.1", port), timeout=5) as third:
                 answer = third.recv(4096)

@@ -28,6 +28,8 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--max-body-bytes", {"type": int}),
     ("--default-max-tokens", {"type": int}),
     ("--max-tokens-cap", {"type": int}),
+    ("--max-answer-tokens", {"type": int, "help": "n x max_tokens x (1 + top_logprobs) "
+                             "an answer may hold (400 above)"}),
     ("--prefill-step", {"type": int,
                         "help": "prompt tokens per prefill chunk (in the fingerprint)"}),
     ("--prefix-cache-bytes", {"type": int,
@@ -48,6 +50,11 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--max-in-flight", {"type": int, "help": "requests served at once before 503"}),
     ("--max-connections", {"type": int,
                            "help": "open client connections before new ones get 503"}),
+    ("--idle-timeout", {"type": float, "help": "seconds a connection may take to send a "
+                        "request's headers, after it opens or after its last response"}),
+    ("--body-timeout", {"type": float, "help": "seconds a request body may take (408)"}),
+    ("--send-timeout", {"type": float,
+                        "help": "seconds a client may leave an answer unread before it is cut"}),
     ("--store-retry", {"type": float,
                        "help": "seconds to answer without the store after a failure"}),
     ("--lock-ttl", {"type": float,

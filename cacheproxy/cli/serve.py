@@ -24,7 +24,7 @@ from backends import redact_url
 from backends.base import Backend
 from cacheproxy.cli.settings import Settings
 from cacheproxy.edge.app import create_app
-from cacheproxy.edge.state import EdgeOptions
+from cacheproxy.edge.state import CONNECTIONS, EdgeOptions
 from cacheproxy.observe.logs import BatchedLines
 from cacheproxy.runners.base import Runner
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
@@ -47,6 +47,7 @@ def build_app(settings: Settings, *, runner: Runner | None = None,
                           admin_token=settings.admin_token,
                           status_access=settings.status_readers,
                           max_in_flight=settings.max_in_flight,
+                          body_timeout=settings.body_timeout,
                           store_label=redact_url(settings.store))
     return create_app(options, partial(_parts, settings, runner, store))
 
@@ -54,6 +55,7 @@ def build_app(settings: Settings, *, runner: Runner | None = None,
 def service_options(settings: Settings) -> ServiceOptions:
     """The service's knobs among the settings."""
     return ServiceOptions(sampling=settings.sampling, max_tokens_cap=settings.max_tokens_cap,
+                          max_answer_tokens=settings.max_answer_tokens,
                           generation_timeout=settings.generation_timeout, ttl=settings.ttl,
                           store_retry=settings.store_retry, lock_ttl=settings.lock_ttl,
                           replay=settings.replay)
@@ -153,14 +155,23 @@ def restore_file_limit(before: tuple[int, int], max_connections: int) -> None:
 
 async def _serve(settings: Settings, batched: BatchedLines | None,
                  files: tuple[int, int]) -> None:
-    from cacheproxy.edge.aiohttp_adapter import limit_connections
+    from cacheproxy.edge.aiohttp_adapter import ConnectionGuard
     from cacheproxy.observe import logs
 
     flusher = asyncio.create_task(logs.flush_periodically(batched)) if batched else None
-    runner = web.AppRunner(build_app(settings), access_log=None)
+    # keepalive_timeout: aiohttp closes a connection still waiting for a request's headers
+    # that long after it opened or after its last response (slowloris, idle keep-alive).
+    app = build_app(settings)
+    counters: dict[str, int] = {}
+    app[CONNECTIONS] = counters  # (before the app starts: it is frozen then)
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=settings.idle_timeout)
     await runner.setup()
+    watcher = None
     if runner.server is not None:
-        limit_connections(runner.server, settings.max_connections)
+        guard = ConnectionGuard(runner.server, settings.max_connections,
+                                send_timeout=settings.send_timeout, counters=counters)
+        guard.install()
+        watcher = asyncio.create_task(guard.watch())
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
     restore_file_limit(files, settings.max_connections)  # the runner has imported mlx-lm
@@ -176,6 +187,8 @@ async def _serve(settings: Settings, batched: BatchedLines | None,
     try:
         await stop.wait()
     finally:
+        if watcher is not None:
+            watcher.cancel()
         await runner.cleanup()
         if flusher is not None:
             flusher.cancel()

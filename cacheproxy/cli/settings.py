@@ -40,6 +40,8 @@ class Settings:
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256
     max_tokens_cap: int = 4096
+    # What one answer may hold: choices x tokens x (1 + logprob alternatives); ~60 bytes each.
+    max_answer_tokens: int = 1 << 18
     prefill_step: int = PREFILL_STEP  # in-process: pinned in the fingerprint
     prefix_cache_bytes: int = PREFIX_CACHE_BYTES  # in-process exact prefix reuse; 0 = off
     device_scope: bool = False
@@ -57,6 +59,12 @@ class Settings:
     status_access: str = "auto"
     max_in_flight: int = 1024
     max_connections: int = 1000
+    # Time bounds per connection: for a request's headers to be complete (after the
+    # connection opens or its last response: slowloris and idle keep-alive alike), for its
+    # body to arrive, and for a client to read what it is sent.
+    idle_timeout: float = 15.0
+    body_timeout: float = 30.0
+    send_timeout: float = 30.0
     store_retry: float = 2.0
     lock_ttl: float = 10.0
     lease_ttl: float = 30.0  # a replica's lease on the namespace it serves (renewed every third)
@@ -140,6 +148,10 @@ def validate(settings: Settings) -> None:
         "status_access": settings.status_access in ("auto", "admin", "api-key", "public"),
         "max_in_flight": settings.max_in_flight >= 1,
         "max_connections": settings.max_connections >= 1,
+        "max_answer_tokens": settings.max_answer_tokens >= 1,
+        "idle_timeout": settings.idle_timeout > 0,
+        "body_timeout": settings.body_timeout > 0,
+        "send_timeout": settings.send_timeout > 0,
         "store_retry": settings.store_retry > 0,
         "lock_ttl": settings.lock_ttl > 0,
         "lease_ttl": settings.lease_ttl > 0,

@@ -1,5 +1,5 @@
 """The one module that leans on aiohttp's internals: pre-rendered responses, the
-connection limit, and the body limit applied to `Expect: 100-continue`.
+connection bounds, and the body limit applied to `Expect: 100-continue`.
 
 Pre-rendered responses: head and body rendered to bytes in advance, written in one call.
 
@@ -15,9 +15,10 @@ Server, headers set after construction (the edge's X-Request-Id), control charac
 a header refused, no body in an answer to HEAD. Only for statuses that carry a body (not
 1xx, 204 or 304).
 
-The connection limit: aiohttp's Server has no hook to refuse a connection, so
-`limit_connections` wraps `Server.connection_made`, which its RequestHandler calls for every
-new connection.
+The connection bounds (`ConnectionGuard`): aiohttp's Server has no hook to refuse a
+connection, so the guard wraps `Server.connection_made`, which its RequestHandler calls for
+every new connection, and tells a connection waiting for a request by its handler's
+`_waiter`.
 
 What this relies on is listed in `PRIVATE_ATTRIBUTES` (and `Server.connection_made`);
 `missing_private_attributes()` says which of them an installed aiohttp lacks, and a test
@@ -47,6 +48,7 @@ PRIVATE_ATTRIBUTES = {
                        "_status", "_reason", "_headers", "_body_length"),
     "BaseRequest": ("_prepare_hook",),
     "Server": ("connection_made", "connections"),
+    "RequestHandler": ("_waiter", "force_close", "transport"),
 }
 
 
@@ -54,7 +56,7 @@ def missing_private_attributes(request: web.BaseRequest) -> list[str]:
     """The aiohttp internals this module relies on that this aiohttp lacks (given any
     request, such as aiohttp.test_utils.make_mocked_request's)."""
     objects = {"StreamResponse": web.StreamResponse(), "BaseRequest": request,
-               "Server": web.Server}
+               "Server": web.Server, "RequestHandler": RequestHandler}
     return [f"{kind}.{name}" for kind, names in PRIVATE_ATTRIBUTES.items()
             for name in names if not hasattr(objects[kind], name)]
 
@@ -189,18 +191,80 @@ def expect_within(limit: int, refuse: Callable[[int], web.StreamResponse]
     return expect
 
 
-def limit_connections(server: web.Server, max_connections: int) -> None:
-    """Refuse connections past `max_connections`, before any of their requests is read."""
-    admit = server.connection_made
+class ConnectionGuard:
+    """Bounds on the connections of one aiohttp Server.
 
-    def connection_made(handler: RequestHandler, transport: asyncio.Transport) -> None:
-        admit(handler, transport)
-        if len(server.connections) > max_connections:
-            transport.write(REFUSAL)
-            # Closed on the next turn of the loop, after the handler's task has started: closed
-            # here, its connection_lost would run first and the task would fail an assertion
-            # (a traceback per refused connection).
-            asyncio.get_running_loop().call_soon(transport.close)
+    - Past `max_connections`, a new connection takes the place of the oldest one that is
+      waiting for a request (a slowloris trickling its headers, an idle keep-alive one);
+      only when every connection is inside a request is the new one refused (503). So
+      clients that never finish their headers cannot lock the others out.
+    - A connection whose answer has sat unread in its write buffer for `send_timeout`
+      (the buffer never shrank) is aborted, its buffered answer dropped: a client that
+      stops reading costs its buffer for that long, never for good.
 
-    # aiohttp's Server has no hook for this; its handlers call server.connection_made.
-    server.connection_made = connection_made  # type: ignore[method-assign]
+    aiohttp's Server has no hook for either: `install` wraps `Server.connection_made`
+    (which its RequestHandler calls for every new connection) and `watch` polls.
+    """
+
+    def __init__(self, server: web.Server, max_connections: int, *,
+                 send_timeout: float = 30.0, counters: dict[str, int] | None = None) -> None:
+        self._server = server
+        self._max = max_connections
+        self._send_timeout = send_timeout
+        self._unread: dict[RequestHandler, tuple[int, float]] = {}  # buffer size, since
+        self.counters = counters if counters is not None else {}
+        self.counters.update(connections_evicted=0, connections_refused=0, send_timeouts=0)
+
+    def install(self) -> None:
+        """Wrap the server's connection_made."""
+        admit = self._server.connection_made
+
+        def connection_made(handler: RequestHandler, transport: asyncio.Transport) -> None:
+            admit(handler, transport)
+            if len(self._server.connections) > self._max:
+                self._make_room(handler, transport)
+
+        self._server.connection_made = connection_made  # type: ignore[method-assign]
+
+    def _make_room(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        for other in self._server.connections:  # oldest first
+            if other is not handler and _waiting_for_a_request(other):
+                other.force_close()
+                self.counters["connections_evicted"] += 1
+                return
+        self.counters["connections_refused"] += 1
+        transport.write(REFUSAL)
+        # Closed on the next turn of the loop, after the handler's task has started: closed
+        # here, its connection_lost would run first and the task would fail an assertion (a
+        # traceback per refused connection).
+        asyncio.get_running_loop().call_soon(transport.close)
+
+    async def watch(self, every: float = 1.0) -> None:
+        """Abort the connections whose answers stay unread past send_timeout (until
+        cancelled)."""
+        while True:
+            await asyncio.sleep(every)
+            self.sweep(time.monotonic())
+
+    def sweep(self, now: float) -> None:
+        """One look at every connection's write buffer."""
+        unread: dict[RequestHandler, tuple[int, float]] = {}
+        for handler in self._server.connections:
+            transport = handler.transport
+            size = transport.get_write_buffer_size() if transport is not None else 0
+            if not size:
+                continue
+            before, since = self._unread.get(handler, (size + 1, now))
+            since = now if size < before else since  # it shrank: the client reads
+            if now - since >= self._send_timeout and transport is not None:
+                transport.abort()
+                self.counters["send_timeouts"] += 1
+                continue
+            unread[handler] = (size, since)
+        self._unread = unread
+
+
+def _waiting_for_a_request(handler: RequestHandler) -> bool:
+    """Between requests: no request being handled, headers of the next not complete."""
+    waiter = handler._waiter
+    return waiter is not None and not waiter.done()

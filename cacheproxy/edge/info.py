@@ -7,7 +7,7 @@ import time
 from aiohttp import web
 
 from cacheproxy.edge.route import json_response
-from cacheproxy.edge.state import INVALIDATOR, PROXY, STARTED
+from cacheproxy.edge.state import CONNECTIONS, INVALIDATOR, PROXY, STARTED
 
 
 async def models(request: web.Request) -> web.Response:
@@ -29,5 +29,6 @@ async def health(request: web.Request) -> web.Response:
         "lane": proxy.runner.lane_state(),
         "fills_in_progress": len(proxy.flights),
         "counters": {**proxy.counters, **request.app[INVALIDATOR].counters},
+        "connections": request.app.get(CONNECTIONS, {}),
         "time": time.time(),
     })

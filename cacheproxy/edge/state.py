@@ -22,6 +22,7 @@ class EdgeOptions:
     admin_token: str = ""  # empty: no admin API (404)
     status_access: str = "public"  # who reads /metrics, /status.json: admin | api-key | public
     max_in_flight: int = 1024
+    body_timeout: float = 30.0  # seconds for a request body to arrive (408 past it)
     store_label: str = ""  # the store URL without credentials, for operators
 
 
@@ -33,3 +34,4 @@ METRICS = web.AppKey("metrics", Metrics)
 IDS = web.AppKey("ids", ResponseIds)
 CACHE_LOG = web.RequestKey("cache_log", dict)
 IDENTITY = web.RequestKey("identity", str)
+CONNECTIONS = web.AppKey("connections", dict[str, int])  # the connection guard's counters (serve)

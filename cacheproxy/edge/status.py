@@ -10,7 +10,7 @@ from aiohttp import web
 from backends.base import BackendError, StoreStats
 from backends.tiered import TieredBackend
 from cacheproxy.edge.route import json_response
-from cacheproxy.edge.state import INVALIDATOR, METRICS, OPTIONS, PROXY, STARTED
+from cacheproxy.edge.state import CONNECTIONS, INVALIDATOR, METRICS, OPTIONS, PROXY, STARTED
 from cacheproxy.service.namespaces import cache_entries
 from policies.status import CacheStatus
 
@@ -50,6 +50,8 @@ async def snapshot(app: web.Application) -> dict[str, Any]:
         "fills_in_progress": len(proxy.flights),
         "store_breaker": proxy.breaker.state,
         "counters": {**proxy.counters, **app[INVALIDATOR].counters},
+        # (Evicted waiting connections, refused ones, answers cut unread: `cacheproxy serve`.)
+        "connections": app.get(CONNECTIONS, {}),
     }
 
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import msgpack
 
-from cacheproxy.errors import InvalidRequest, ModelNotFound, Unsupported
+from cacheproxy.errors import AnswerTooLarge, InvalidRequest, ModelNotFound, Unsupported
 from cacheproxy.keys import fields, grammar
 from cacheproxy.keys import tools as tooling
 from cacheproxy.keys.messages import ROLES, Message, messages
@@ -259,17 +259,18 @@ def _sampling(body: Mapping[str, Any], mode: SamplingMode) -> SamplingOutcome:
 
 def parse(
     body: object, endpoint: Endpoint, defaults: RunnerDefaults, mode: SamplingMode,
-    *, max_tokens_cap: int | None = None,
+    *, max_tokens_cap: int | None = None, max_answer_tokens: int | None = None,
 ) -> Parsed:
-    """Validate a decoded JSON body and build its canonical request."""
+    """Validate a decoded JSON body and build its canonical request; `max_answer_tokens`
+    bounds what one answer may hold (choices x tokens x (1 + logprob alternatives))."""
     try:
-        return _parse(body, endpoint, defaults, mode, max_tokens_cap)
+        return _parse(body, endpoint, defaults, mode, max_tokens_cap, max_answer_tokens)
     except RecursionError:  # a schema or kwargs nested hundreds deep: walked recursively
         raise InvalidRequest("the request nests JSON too deeply to be read") from None
 
 
 def _parse(body: object, endpoint: Endpoint, defaults: RunnerDefaults, mode: SamplingMode,
-           max_tokens_cap: int | None) -> Parsed:
+           max_tokens_cap: int | None, max_answer_tokens: int | None) -> Parsed:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     _reject_unsupported(body, endpoint)
@@ -286,6 +287,13 @@ def _parse(body: object, endpoint: Endpoint, defaults: RunnerDefaults, mode: Sam
     if n > 1 and not outcome.sampling.is_greedy:
         raise Unsupported("'n' > 1 needs greedy decoding (temperature 0)", param="n")
     logprobs, top_logprobs = _logprobs(body, endpoint)
+    fan_out = n * (max_tokens or defaults.max_tokens) * (1 + top_logprobs if logprobs else 1)
+    if max_answer_tokens is not None and fan_out > max_answer_tokens:
+        raise AnswerTooLarge(
+            f"the answer could hold {fan_out} token entries (n={n} x max_tokens="
+            f"{max_tokens or defaults.max_tokens} x {1 + top_logprobs if logprobs else 1} per "
+            f"token with logprobs), over this server's limit of {max_answer_tokens}: lower "
+            "n, max_tokens or top_logprobs", param="max_tokens")
     chat, legacy = _chat(body, defaults) if endpoint == "chat" else ({}, False)
     request = CanonicalRequest(
         endpoint=endpoint,

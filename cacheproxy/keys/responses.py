@@ -255,12 +255,14 @@ def _text_format(body: Mapping[str, Any], chat: dict[str, Any]) -> Mapping[str, 
 
 
 def parse_responses(body: object, defaults: RunnerDefaults, mode: SamplingMode, *,
-                    max_tokens_cap: int | None = None) -> Parsed:
+                    max_tokens_cap: int | None = None,
+                    max_answer_tokens: int | None = None) -> Parsed:
     """The canonical request of a Responses body: its chat translation's, so that both APIs
     key the same answer alike; the delivery says which API renders it."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     chat, echo = translate(body)
-    parsed = parse(chat, "chat", defaults, mode, max_tokens_cap=max_tokens_cap)
+    parsed = parse(chat, "chat", defaults, mode, max_tokens_cap=max_tokens_cap,
+                   max_answer_tokens=max_answer_tokens)
     return replace(parsed, delivery=replace(parsed.delivery, api="responses",
                                             echo=orjson.dumps(asdict(echo))))

@@ -89,10 +89,12 @@ class ParseMemo:
     """Repeated identical bodies (of one cache scope) skip JSON decoding and
     canonicalization."""
 
-    def __init__(self, max_entries: int = 4096, *, max_tokens_cap: int | None = None) -> None:
+    def __init__(self, max_entries: int = 4096, *, max_tokens_cap: int | None = None,
+                 max_answer_tokens: int | None = None) -> None:
         self._memo: LRU[tuple[Route, str, bytes],
                         tuple[RunnerDefaults, SamplingMode, Parsed]] = LRU(max_entries)
         self._cap = max_tokens_cap
+        self._budget = max_answer_tokens
 
     def parse(
         self, raw: bytes, route: Route, defaults: RunnerDefaults, mode: SamplingMode,
@@ -106,9 +108,11 @@ class ParseMemo:
             return known[2]
         body = decode_body(raw)
         if route == "responses":
-            parsed = parse_responses(body, defaults, mode, max_tokens_cap=self._cap)
+            parsed = parse_responses(body, defaults, mode, max_tokens_cap=self._cap,
+                                     max_answer_tokens=self._budget)
         else:
-            parsed = parse(body, route, defaults, mode, max_tokens_cap=self._cap)
+            parsed = parse(body, route, defaults, mode, max_tokens_cap=self._cap,
+                           max_answer_tokens=self._budget)
         if len(raw) <= MAX_MEMO_BODY:
             self._memo.put(memo_key, (defaults, mode, parsed), size=2 * len(raw))
         return parsed

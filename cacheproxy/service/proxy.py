@@ -79,6 +79,7 @@ class ServiceOptions:
 
     sampling: SamplingMode = SamplingMode.FORCE_GREEDY
     max_tokens_cap: int | None = None
+    max_answer_tokens: int | None = None  # choices x tokens x logprob fan-out per answer
     generation_timeout: float = 300.0
     ttl: float | None = None  # entries of a pinned producer do not go stale by default
     store_retry: float = 2.0  # seconds the breaker stays open after a store failure
@@ -118,7 +119,8 @@ class CachingProxy:
         self.store = store
         self.options = options
         self._gate, self._gate_open, self._clock = gate, gate_open, clock
-        self.memos = Memos(parser=ParseMemo(max_tokens_cap=options.max_tokens_cap))
+        self.memos = Memos(parser=ParseMemo(max_tokens_cap=options.max_tokens_cap,
+                                            max_answer_tokens=options.max_answer_tokens))
         self._repeats = self.memos.repeats
         self.storage = StoreAccess(store, store_retry=options.store_retry, ttl=options.ttl,
                                    decoded=self.memos.decoded)
