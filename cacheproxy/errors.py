@@ -97,6 +97,14 @@ class PayloadTooLarge(ProxyError):
     code = "request_too_large"
 
 
+class ExpectationFailed(ProxyError):
+    """An `Expect` header other than 100-continue."""
+
+    status = 417
+    type = "invalid_request_error"
+    code = "expectation_failed"
+
+
 class AnswerTooLarge(InvalidRequest):
     """A request whose answer could exceed the per-answer budget (--max-answer-tokens)."""
 

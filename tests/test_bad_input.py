@@ -191,3 +191,12 @@ async def test_an_answer_over_the_budget_is_a_400_and_nothing_is_generated(
     assert resp.status == 400 and error["code"] == "response_too_large"
     assert error["param"] == "max_tokens" and "50000" in error["message"]
     assert proxy.generations == generated and await proxy.entries() == 0
+
+
+async def test_an_unknown_expectation_is_an_openai_shaped_417(make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy()
+    port = int(proxy.url.rsplit(":", 1)[1])
+    status, answer = await _raw_post(
+        port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 200-ok\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n", [])
+    assert status == 417 and json.loads(answer)["error"]["code"] == "expectation_failed"

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -31,20 +32,27 @@ def serving(*args: str, env: dict[str, str] | None = None,
     """`python -m cacheproxy serve ARGS` on a free port until the block ends (SIGTERM); its
     output is appended to `output` once it exited."""
     port = free_port()
+    # Its output goes to a file, not a pipe nobody reads while it runs (a full pipe would
+    # block the server).
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in the finally below)
     proc = subprocess.Popen([*CLI, "serve", "--port", str(port), *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT)
+
+    def text() -> str:
+        log.seek(0)
+        return log.read().decode(errors="replace")
+
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                out = proc.stdout.read().decode() if proc.stdout else ""
-                raise AssertionError(f"serve exited with {proc.returncode}:\n{out}")
+                raise AssertionError(f"serve exited with {proc.returncode}:\n{text()}")
             try:
                 with urllib.request.urlopen(url + "/health", timeout=1) as resp:
                     if resp.status == 200:
                         break
-            except (urllib.error.URLError, ConnectionError):
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
                 time.sleep(0.2)
         else:
             raise AssertionError("serve did not become healthy within 60 s")
@@ -52,12 +60,13 @@ def serving(*args: str, env: dict[str, str] | None = None,
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            assert proc.wait(timeout=20) == 0, "serve did not exit cleanly on SIGTERM"
+            assert proc.wait(timeout=20) == 0, f"serve did not exit cleanly:\n{text()[-3000:]}"
         finally:
             if proc.poll() is None:
                 proc.kill()
-            if output is not None and proc.stdout is not None:
-                output.append(proc.stdout.read().decode())
+            if output is not None:
+                output.append(text())
+            log.close()
 
 
 def _ask(url: str) -> tuple[str, str | None]:

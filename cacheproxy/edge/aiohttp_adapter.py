@@ -167,21 +167,20 @@ REFUSAL = (
 )
 
 
-def expect_within(limit: int, refuse: Callable[[int], web.StreamResponse]
+def expect_within(limit: int, refuse: Callable[[int | str], web.StreamResponse]
                   ) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:
-    """A route's `Expect: 100-continue` handler (aiohttp's own, plus the body limit): a
-    declared Content-Length over `limit` gets `refuse(length)` at once, before the client
-    sends a byte of its body, instead of `100 Continue`."""
+    """A route's `Expect` handler (aiohttp's own, plus the body limit): a declared
+    Content-Length over `limit` gets `refuse(length)` at once, before the client sends a
+    byte of its body, instead of `100 Continue`; an expectation other than 100-continue
+    gets `refuse(value)` (a 417)."""
 
     async def expect(request: web.Request) -> web.StreamResponse | None:
         if request.version != HttpVersion11:
             return None
         value = request.headers.get("Expect", "")
-        if value.lower() != "100-continue":
-            raise web.HTTPExpectationFailed(text=f"Unknown Expect: {value}")
         length = request.content_length
-        if limit and length is not None and length > limit:
-            response = refuse(length)
+        if value.lower() != "100-continue" or (limit and length is not None and length > limit):
+            response = refuse(value if value.lower() != "100-continue" else length or 0)
             response.force_close()  # the body it announced is never read
             return response
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")

@@ -30,7 +30,7 @@ from cacheproxy.edge.state import (
     STARTED,
     EdgeOptions,
 )
-from cacheproxy.errors import PayloadTooLarge
+from cacheproxy.errors import ExpectationFailed, PayloadTooLarge, ProxyError
 from cacheproxy.observe.metrics import Metrics
 from cacheproxy.service.invalidation import Invalidator
 from cacheproxy.service.proxy import CachingProxy
@@ -71,11 +71,15 @@ async def _fold_tally(app: web.Application) -> AsyncIterator[None]:
     await asyncio.gather(task, return_exceptions=True)
 
 
-def _too_large(limit: int) -> Callable[[int], web.StreamResponse]:
-    def refuse(length: int) -> web.StreamResponse:
-        log.info("body_refused", content_length=length, limit=limit)
-        error = PayloadTooLarge(f"the request body ({length} bytes) is over the limit of "
-                                f"{limit} bytes")
+def _too_large(limit: int) -> Callable[[int | str], web.StreamResponse]:
+    def refuse(what: int | str) -> web.StreamResponse:
+        error: ProxyError
+        if isinstance(what, str):
+            error = ExpectationFailed(f"Expect: {what!r} is not supported (100-continue is)")
+        else:
+            log.info("body_refused", content_length=what, limit=limit)
+            error = PayloadTooLarge(f"the request body ({what} bytes) is over the limit of "
+                                    f"{limit} bytes")
         return json_response(error.body(), status=error.status, headers=error.headers())
 
     return refuse
@@ -83,6 +87,9 @@ def _too_large(limit: int) -> Callable[[int], web.StreamResponse]:
 
 def _status_guard(options: EdgeOptions, keys: tuple[bytes, ...]) -> dict[str, Any]:
     """Who may read the fleet's traffic figures (`--status-access`)."""
+    if (options.status_access == "admin" and not options.admin_token) or \
+            (options.status_access == "api-key" and not keys):
+        raise ValueError(f"status access {options.status_access!r} without its token")
     if options.status_access == "admin":
         token = options.admin_token.encode()
         return {"guard": lambda request: check_admin(request, token)}

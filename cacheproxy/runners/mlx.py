@@ -125,9 +125,16 @@ class MlxRunner:
         if self.model_dir is None:
             raise RuntimeError("runner not started")
         loop = asyncio.get_running_loop()
-        self._loaded = await loop.run_in_executor(self._lane, self._load, self.model_dir)
+        self._loaded = await loop.run_in_executor(self._lane, self._reload, self.model_dir)
         self.reloads += 1
         return self._loaded.fingerprint
+
+    def _reload(self, path: Path) -> Loaded:
+        # The saved prefix states belong to the model being replaced: freed before the new
+        # one loads, not held beside it (if the load fails, the old model serves cold).
+        if self._loaded is not None and self._loaded.prefixes is not None:
+            self._loaded.prefixes.clear()
+        return self._load(path)
 
     def _load(self, path: Path) -> Loaded:
         from mlx_lm import load

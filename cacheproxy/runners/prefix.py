@@ -54,11 +54,15 @@ class PrefixStore:
         self._entries: OrderedDict[bytes, Saved] = OrderedDict()  # by last hash, LRU first
         self._index: dict[bytes, bytes] = {}  # chain hash of any chunk -> entry holding it
         self.bytes = 0
-        self.reused_tokens = 0
-        self.prefilled_tokens = 0
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def clear(self) -> None:
+        """Drop every saved state (the model they came from is being replaced)."""
+        self._entries.clear()
+        self._index.clear()
+        self.bytes = 0
 
     def state(self) -> dict[str, int]:
         """Entries, bytes and the bound (for /health, /status.json and /admin/stats)."""
@@ -127,7 +131,7 @@ def warm(store: PrefixStore, model: Any, cache: list[Any], ids: Sequence[int]) -
     taken from a saved state, tokens the cache now holds)."""
     step = store.step
     aligned = (len(ids) - 1) // step * step  # generate_step keeps the last token back
-    if aligned == 0:
+    if aligned <= 0:
         return 0, 0
     chain = store.chain(ids, aligned)
     found = store.longest(ids, chain)
@@ -138,8 +142,6 @@ def warm(store: PrefixStore, model: Any, cache: list[Any], ids: Sequence[int]) -
     prefill(model, cache, ids[reused:aligned], step)
     if aligned > reused:
         store.put(ids, chain, tuple(_copy(c) for c in cache))
-    store.reused_tokens += reused
-    store.prefilled_tokens += len(ids) - reused
     return reused, aligned
 
 

@@ -22,6 +22,7 @@ import structlog
 
 from backends.base import Backend, BackendError, NamespacePurge
 from cacheproxy.errors import Overloaded
+from cacheproxy.keys.codec import CorruptRecord
 from cacheproxy.keys.fingerprint import Fingerprint
 from cacheproxy.runners.watcher import ModelWatcher, Snapshot
 from cacheproxy.service.namespaces import Registry
@@ -137,15 +138,20 @@ class Invalidator:
         await self._observe(self._runner.fingerprint())
 
     async def _renew(self) -> None:
-        """Renew the lease every third of it (and supersede what nobody serves any more)."""
+        """Renew the lease every third of it (and supersede what nobody serves any more);
+        a failed renewal is logged and the next one tried (a lapsed lease would let the other
+        version purge a namespace this replica still serves)."""
         while True:
             await asyncio.sleep(self._lease_ttl / 3)
-            await self._observe(self._runner.fingerprint())
+            try:
+                await self._observe(self._runner.fingerprint())
+            except Exception:
+                log.exception("lease_renewal_failed")
 
     async def _release(self, digest: str, *, replaced: bool = False) -> None:
         try:
             await self.registry.release(digest, self.replica, replaced=replaced)
-        except BackendError as exc:
+        except (BackendError, CorruptRecord) as exc:  # the lease lapses by itself then
             log.warning("registry_update_failed", error=str(exc))
 
     async def _observe(self, current: Fingerprint) -> None:

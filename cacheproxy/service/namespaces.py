@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from backends.base import Backend, NamespaceStats
@@ -42,6 +42,9 @@ class Namespace:
     # is never superseded. Renewed every third of the lease by each replica.
     leases: dict[str, float] = field(default_factory=dict)
     served_until: float | None = None  # the last moment a replica was known to serve it
+
+
+_FIELDS = frozenset(f.name for f in fields(Namespace))
 
 
 def _live(leases: dict[str, float], now: float) -> dict[str, float]:
@@ -77,7 +80,9 @@ class Registry:
             return {}
         try:
             raw = codec.decode_meta(data)
-            return {d: Namespace(**n) for d, n in raw.items()}  # (older records: no leases)
+            # Older records have no leases; a newer version's extra fields are left out.
+            return {d: Namespace(**{k: v for k, v in n.items() if k in _FIELDS})
+                    for d, n in raw.items()}
         except (codec.CorruptRecord, TypeError) as exc:
             raise codec.CorruptRecord(f"registry unreadable: {exc}") from exc
 
