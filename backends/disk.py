@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +26,10 @@ from backends.base import (
 DEFAULT_DISK_MAX_BYTES = 1024 * 1024 * 1024
 DB_FILENAME = "cache.sqlite3"
 TOUCH_EVERY = 1.0  # seconds: a read refreshes an entry's recency at most this often
+# A read never writes: the recencies it refreshes are written together, as a job of their
+# own on the worker thread (so a full disk, where that write fails, costs no read).
+TOUCH_BATCH = 256
+TOUCH_FLUSH_EVERY = 2.0
 _BUSY_TIMEOUT_S = 5.0
 _EVICT_BATCH = 64
 
@@ -65,6 +70,9 @@ class DiskBackend:
         self._data_version: int | None = None
         self._closed = False
         self._close_done: asyncio.Future[None] | None = None
+        self._touched: dict[str, float] = {}  # key -> read time, written in batches
+        self._flushed_at = 0.0
+        self.touches_dropped = 0  # recencies not written (a full or read-only disk)
 
     def __repr__(self) -> str:
         return f"DiskBackend({str(self._directory)!r}, max_bytes={self._max_bytes})"
@@ -80,9 +88,17 @@ class DiskBackend:
         return self._max_bytes
 
     async def get(self, key: str) -> bytes | None:
-        """The value, refreshing its recency; an expired row is deleted and misses."""
+        """The value (its recency refreshed in a later batch); an expired row misses."""
         now = self._clock()
-        return await self._run(lambda conn: self._get(conn, key, now))
+        value = await self._run(lambda conn: self._get(conn, key, now))
+        touched = len(self._touched)
+        if touched and (touched >= TOUCH_BATCH or now - self._flushed_at >= TOUCH_FLUSH_EVERY) \
+                and not self._closed:
+            self._flushed_at = now
+            # Not awaited: the next job on the worker thread, after this read answered.
+            with contextlib.suppress(RuntimeError):  # (the store closing meanwhile)
+                asyncio.get_running_loop().run_in_executor(self._executor, self._flush_touches)
+        return value
 
     async def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
         """Store value and evict least recently used rows; returns after the commit."""
@@ -179,6 +195,7 @@ class DiskBackend:
         return conn
 
     def _close_conn(self) -> None:
+        self._flush_touches()
         if self._conn is not None:
             conn, self._conn = self._conn, None
             conn.close()
@@ -192,19 +209,37 @@ class DiskBackend:
         value: bytes
         value, size, expires_at, accessed_at = row
         if is_expired(expires_at, now):
-            deleted = conn.execute(
-                "DELETE FROM entries WHERE key = ? AND expires_at <= ?", (key, now)
-            ).rowcount
+            try:
+                deleted = conn.execute(
+                    "DELETE FROM entries WHERE key = ? AND expires_at <= ?", (key, now)
+                ).rowcount
+            except sqlite3.Error:  # a full disk: the row stays, expired, and still misses
+                return None
             if deleted:
                 self._bytes -= size
             return None
         if now - accessed_at >= TOUCH_EVERY:
             # Recency to the second is enough for LRU, and saves a write on most hits.
-            conn.execute("UPDATE entries SET accessed_at = ? WHERE key = ?", (now, key))
+            self._touched[key] = now
         return value
+
+    def _flush_touches(self) -> None:
+        """Write the recorded recencies in one transaction; on failure drop them (recency
+        is a hint for eviction: reads go on, from a full disk too)."""
+        touched, self._touched = self._touched, {}
+        if not touched or self._conn is None:
+            return
+        try:
+            with _transaction(self._conn):
+                self._conn.executemany(
+                    "UPDATE entries SET accessed_at = ? WHERE key = ? AND accessed_at < ?",
+                    [(t, k, t) for k, t in touched.items()])
+        except (sqlite3.Error, OSError):
+            self.touches_dropped += len(touched)
 
     def _set(self, conn: sqlite3.Connection, key: str, value: bytes,
              expires_at: float | None, now: float) -> None:
+        self._flush_touches()  # eviction below sees the reads' recency
         size = entry_size(key, value)
         total = self._bytes
         with _transaction(conn):

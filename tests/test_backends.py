@@ -12,9 +12,11 @@ Redis). A test marked @needs(...) runs only on the kinds with those capabilities
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
+import subprocess
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -36,7 +38,7 @@ from backends import (
     open_backend,
 )
 from backends.base import PURGE_BATCH, NamespaceStats, Peek, Scan
-from backends.disk import DB_FILENAME
+from backends.disk import DB_FILENAME, TOUCH_FLUSH_EVERY
 from tests.conftest import eventually
 
 OpenStore = Callable[..., Backend]
@@ -411,6 +413,22 @@ class TestBackendContract:
             await store.set("k", b"v")
 
 
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MB tmpfs (mounting takes root, as .ci/run has: the test fails, not skips,
+    without it)."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(f"could not mount a 1 MB tmpfs: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
 @pytest.mark.asyncio
 class TestDiskBackend:
     async def test_persists_across_reopen(self, tmp_path: Path, clock: FakeClock) -> None:
@@ -500,6 +518,27 @@ class TestDiskBackend:
             with pytest.raises(BackendError) as caught:
                 await store.set("k", b"v")
             assert isinstance(caught.value.__cause__, OSError)
+        finally:
+            await store.aclose()
+
+    async def test_a_full_disk_keeps_every_stored_entry_readable(
+        self, tiny_disk: Path, clock: FakeClock
+    ) -> None:
+        """(#19) Reads never write: on a 1 MB tmpfs filled to the brim every stored entry is
+        still read (its recency update, batched off the read, is dropped)."""
+        store = DiskBackend(tiny_disk, max_bytes=64 << 20, clock=clock)  # bound: the disk
+        try:
+            stored = []
+            with pytest.raises(BackendError, match="full"):
+                for i in range(1000):
+                    await store.set(f"ns/{i}", os.urandom(8192))
+                    stored.append(f"ns/{i}")
+            assert len(stored) > 20
+            for key in stored:
+                clock.advance(TOUCH_FLUSH_EVERY)  # every read records its recency, and flushes
+                assert await store.get(key) is not None, key
+            await store.aclose()
+            assert store.touches_dropped > 0  # the writes were tried, and failed, off the reads
         finally:
             await store.aclose()
 
