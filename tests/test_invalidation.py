@@ -13,9 +13,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
+from aiohttp.test_utils import TestServer
 
 from backends import open_backend
 from backends.base import NamespaceStats
+from cacheproxy.cli.serve import build_app
+from cacheproxy.cli.settings import Settings
 from cacheproxy.edge.state import INVALIDATOR, PROXY
 from cacheproxy.keys import codec
 from cacheproxy.keys import fingerprint as fp
@@ -25,7 +28,7 @@ from cacheproxy.runners.mlx import MlxOptions, MlxRunner
 from cacheproxy.service.invalidation import Invalidator
 from cacheproxy.service.namespaces import REGISTRY_KEY, Registry
 from policies.invalidation import InvalidationPolicy
-from tests.conftest import Proxy, ProxyFactory, eventually
+from tests.conftest import Proxy, ProxyFactory, eventually, free_port
 from tests.conftest_redis import StartServer
 
 FINGERPRINT_A = fp.compute("demo", Path(__file__).resolve().parents[1] / "cacheproxy" /
@@ -368,3 +371,55 @@ class _Fixed:
 
     def fingerprint(self) -> fp.Fingerprint:
         return self._fingerprint
+
+
+async def test_two_models_behind_one_proxy_each_with_its_lane_namespace_and_reload(
+    quantized: dict[int, Path], tmp_path: Path,
+) -> None:
+    """(#21) `--model demo=PATH --model q=PATH`: requests route by `model`, each model has
+    its own fingerprint and entries; replacing one model's files reloads only that one."""
+    demo, q = write_copy(tmp_path / "demo"), tmp_path / "q"
+    shutil.copytree(quantized[4], q)
+    settings = Settings(model=f"demo={demo},q={q}", store="memory://", watch_interval=0.1,
+                        digest_memo=str(tmp_path / "digests.json"))
+    server = TestServer(build_app(settings), host="127.0.0.1", port=free_port())
+    await server.start_server()
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            async def ask(model: str) -> tuple[str, str]:
+                async with session.post(url + "/v1/completions",
+                                        json={**BODY, "model": model}) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert (await resp.json())["model"] == model
+                    return resp.headers["X-Cache"], resp.headers["X-Cache-Fingerprint"]
+
+            first = {m: await ask(m) for m in ("demo", "q")}
+            again = {m: await ask(m) for m in ("demo", "q")}
+            assert [c for c, _ in first.values()] == ["MISS", "MISS"]
+            assert [c for c, _ in again.values()] == ["HIT", "HIT"]
+            assert first["demo"][1] != first["q"][1]
+            async with session.get(url + "/v1/models") as resp:
+                assert [m["id"] for m in (await resp.json())["data"]] == ["demo", "q"]
+            async with session.post(url + "/v1/completions",
+                                    json={**BODY, "model": "other"}) as resp:
+                assert resp.status == 404
+
+            for name in ("config.json", "model.safetensors"):  # q becomes the 8-bit model
+                shutil.copy2(quantized[8] / name, q / name)
+
+            async def states() -> dict[str, dict[str, object]]:
+                async with session.get(url + "/health") as resp:
+                    return {m["id"]: m for m in (await resp.json())["models"]}
+
+            deadline = asyncio.get_running_loop().time() + 20
+            while (await states())["q"]["fingerprint"] == first["q"][1]:
+                assert asyncio.get_running_loop().time() < deadline, "q was not reloaded"
+                await asyncio.sleep(0.1)
+            now = await states()
+            assert now["demo"]["fingerprint"] == first["demo"][1]
+            assert now["demo"]["counters"]["reloads"] == 0  # type: ignore[index]
+            assert now["q"]["counters"]["reloads"] == 1  # type: ignore[index]
+            assert (await ask("demo"))[0] == "HIT" and (await ask("q"))[0] == "MISS"
+    finally:
+        await server.close()

@@ -19,7 +19,9 @@ from cacheproxy.errors import UpstreamUnavailable
 SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--host", {}),
     ("--port", {"type": int}),
-    ("--model", {"help": "model directory or Hugging Face repo (default: demo)"}),
+    ("--model", {"action": "append", "metavar": "[ID=]PATH",
+                 "help": "model directory or Hugging Face repo (default: demo); repeat as "
+                         "ID=PATH to serve several"}),
     ("--model-id", {"help": "the name clients use"}),
     ("--store", {"help": "memory://, disk:///path (default: user cache dir)"}),
     ("--sampling", {"choices": ["force-greedy", "seeded", "bypass"]}),
@@ -207,7 +209,8 @@ async def _import(settings: Settings, args: argparse.Namespace) -> int:
     from cacheproxy.keys.digests import DigestMemo
     from cacheproxy.runners.mlx import local_fingerprint, resolve_model_path
 
-    current = local_fingerprint(settings.served_model_id, resolve_model_path(settings.model),
+    current = local_fingerprint(settings.served_model_id,
+                                resolve_model_path(settings.model_for(settings.served_model_id)),
                                 prefill_step=settings.prefill_step,
                                 memo=DigestMemo(Path(settings.digest_memo)))
     await transfer.import_(args.file, settings.store, current=current,
@@ -226,7 +229,8 @@ async def _verify(settings: Settings, args: argparse.Namespace) -> int:
     from cacheproxy.cli.verify import print_report, verify
     from cacheproxy.runners.mlx import MlxOptions, MlxRunner
 
-    runner = MlxRunner(MlxOptions(model=settings.model, model_id=settings.served_model_id,
+    runner = MlxRunner(MlxOptions(model=settings.model_for(settings.served_model_id),
+                                  model_id=settings.served_model_id,
                                   digest_memo=Path(settings.digest_memo),
                                   prefill_step=settings.prefill_step,
                                   prefix_cache_bytes=settings.prefix_cache_bytes))

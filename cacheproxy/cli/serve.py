@@ -61,6 +61,13 @@ def service_options(settings: Settings) -> ServiceOptions:
                           replay=settings.replay)
 
 
+def build_runners(settings: Settings) -> list[Runner]:
+    """One runner per served model (in-process), or the upstream pool's one."""
+    if settings.upstream or len(settings.served_models) == 1:
+        return [build_runner(settings)]
+    return [_mlx_runner(settings, name, model) for name, model in settings.served_models]
+
+
 def build_runner(settings: Settings) -> Runner:
     """In-process MLX, or the upstream mlx_lm.server pool when upstreams are given."""
     if settings.upstream:
@@ -70,8 +77,13 @@ def build_runner(settings: Settings) -> Runner:
             default_max_tokens=settings.default_max_tokens,
             max_tokens_cap=settings.max_tokens_cap, device_scope=settings.device_scope,
             digest_memo=Path(settings.digest_memo), timeout=settings.upstream_timeout))
+    return _mlx_runner(settings, settings.served_model_id,
+                       settings.model_for(settings.served_model_id))
+
+
+def _mlx_runner(settings: Settings, name: str, model: str) -> MlxRunner:
     return MlxRunner(MlxOptions(
-        model=settings.model, model_id=settings.served_model_id,
+        model=model, model_id=name,
         queue_size=settings.queue_size, default_max_tokens=settings.default_max_tokens,
         max_tokens_cap=settings.max_tokens_cap, device_scope=settings.device_scope,
         digest_memo=Path(settings.digest_memo), prefill_step=settings.prefill_step,
@@ -80,37 +92,45 @@ def build_runner(settings: Settings) -> Runner:
 
 @asynccontextmanager
 async def _parts(settings: Settings, runner: Runner | None, store: Backend | None
-                 ) -> AsyncIterator[tuple[CachingProxy, Invalidator]]:
+                 ) -> AsyncIterator[list[tuple[CachingProxy, Invalidator]]]:
+    """The served models, each with its own runner (lane), invalidator (watcher, lease,
+    namespace) and proxy, over one store; the first is the default."""
     # A bad URL fails before the model loads.
     the_store = store or await open_store(settings.store, replay=settings.replay)
-    the_runner = runner or build_runner(settings)
-    proxy: CachingProxy | None = None
-    invalidator: Invalidator | None = None
+    runners = [runner] if runner is not None else build_runners(settings)
+    served: list[tuple[CachingProxy, Invalidator]] = []
+    started: list[Runner] = []
     try:
-        if runner is None:
-            await the_runner.start()
-        invalidator = Invalidator(the_runner, the_store, policy=settings.invalidation,
-                                  reload_wait=settings.reload_wait,
-                                  lease_ttl=settings.lease_ttl, grace=settings.supersede_grace)
-        await invalidator.start(
-            watch_interval=settings.watch_interval if settings.watch else None)
-        if isinstance(the_runner, UpstreamRunner):  # it sees engine changes by itself
-            the_runner.on_fingerprint_change = invalidator.fingerprint_changed
-        proxy = CachingProxy(the_runner, the_store, service_options(settings),
-                             gate=invalidator.wait_ready, gate_open=invalidator.is_open)
-        log.info("serving", model=settings.served_model_id,
-                 fingerprint=the_runner.fingerprint().digest, store=redact_url(settings.store))
-        yield proxy, invalidator
+        for the_runner in runners:
+            if runner is None:
+                await the_runner.start()
+                started.append(the_runner)
+            served.append(await _serve_model(settings, the_runner, the_store))
+        yield served
     finally:
-        if invalidator is not None:
+        for proxy, invalidator in served:
             await invalidator.aclose()
-        if proxy is not None:
             await proxy.aclose()
         # Tear down only what this started; injected parts belong to the caller.
         if store is None:
             await the_store.aclose()
-        if runner is None:
+        for the_runner in started:
             await the_runner.aclose()
+
+
+async def _serve_model(settings: Settings, runner: Runner, store: Backend
+                       ) -> tuple[CachingProxy, Invalidator]:
+    invalidator = Invalidator(runner, store, policy=settings.invalidation,
+                              reload_wait=settings.reload_wait,
+                              lease_ttl=settings.lease_ttl, grace=settings.supersede_grace)
+    await invalidator.start(watch_interval=settings.watch_interval if settings.watch else None)
+    if isinstance(runner, UpstreamRunner):  # it sees engine changes by itself
+        runner.on_fingerprint_change = invalidator.fingerprint_changed
+    proxy = CachingProxy(runner, store, service_options(settings),
+                         gate=invalidator.wait_ready, gate_open=invalidator.is_open)
+    log.info("serving", model=runner.defaults().model_id,
+             fingerprint=runner.fingerprint().digest, store=redact_url(settings.store))
+    return proxy, invalidator
 
 
 def serve(settings: Settings) -> int:

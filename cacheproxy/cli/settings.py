@@ -85,15 +85,43 @@ class Settings:
 
     @property
     def served_model_id(self) -> str:
-        """The model name clients use: explicit, the demo's name, or the model as given."""
+        """The model name clients use: explicit, the demo's name, or the model as given
+        (with several models: the first one's, unless --model-id names another)."""
         if self.model_id:
             return self.model_id
-        model = self.model_dir if self.upstream else self.model
-        return DEMO_MODEL_ID if model == str(BUNDLED_MODEL) else model
+        if self.upstream:
+            return DEMO_MODEL_ID if self.model_dir == str(BUNDLED_MODEL) else self.model_dir
+        return self.served_models[0][0]
+
+    @property
+    def served_models(self) -> tuple[tuple[str, str], ...]:
+        """(id, model) of every model served in-process: `--model ID=PATH`, repeatable
+        (comma-separated in CACHEPROXY_MODEL); a bare PATH is named by --model-id, else the
+        demo's name for the bundled model, else the PATH itself."""
+        specs = [part.strip() for part in self.model.split(",") if part.strip()]
+        if len(specs) == 1 and "=" not in specs[0]:
+            model = specs[0]
+            name = self.model_id or (DEMO_MODEL_ID if model == str(BUNDLED_MODEL) else model)
+            return ((name, model),)
+        served = []
+        for spec in specs:
+            name, _, model = spec.partition("=") if "=" in spec else ("", "", spec)
+            if not model:
+                raise ValueError(f"invalid value for setting 'model': {spec!r} (ID=PATH)")
+            served.append((name or (DEMO_MODEL_ID if model == str(BUNDLED_MODEL) else model),
+                           model))
+        return tuple(served)
+
+    def model_for(self, model_id: str) -> str:
+        """The model (path or repo) served as `model_id` (the first one if none is)."""
+        served = self.served_models
+        return next((model for name, model in served if name == model_id), served[0][1])
 
 
 def _convert(field: dataclasses.Field[Any], raw: object) -> object:
     kind = field.type if isinstance(field.type, str) else field.type.__name__
+    if isinstance(raw, list) and kind == "str":  # a repeated flag (--model): as in the env
+        return ",".join(raw)
     if not isinstance(raw, str):
         return tuple(raw) if isinstance(raw, list) else raw
     if kind.endswith(" | None"):
@@ -164,6 +192,12 @@ def validate(settings: Settings) -> None:
         raise ValueError("--status-access admin needs CACHEPROXY_ADMIN_TOKEN")
     if settings.status_access == "api-key" and not settings.api_keys:
         raise ValueError("--status-access api-key needs --api-key")
+    served = settings.served_models
+    if len({name for name, _ in served}) != len(served):
+        raise ValueError("invalid value for setting 'model': two models with one id")
+    if len(served) > 1 and settings.upstream:
+        raise ValueError("several --model are served in-process; upstream mode serves the "
+                         "one model of --model-dir")
     if settings.upstream and not settings.model_dir:
         raise ValueError("--upstream needs --model-dir: the model directory the upstream serves")
     if settings.model_dir and not settings.upstream:

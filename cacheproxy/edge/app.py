@@ -25,10 +25,12 @@ from cacheproxy.edge.state import (
     IDS,
     INVALIDATOR,
     METRICS,
+    MODELS,
     OPTIONS,
     PROXY,
     STARTED,
     EdgeOptions,
+    Served,
 )
 from cacheproxy.errors import ExpectationFailed, PayloadTooLarge, ProxyError
 from cacheproxy.observe.metrics import Metrics
@@ -37,8 +39,9 @@ from cacheproxy.service.proxy import CachingProxy
 
 log = structlog.get_logger("cacheproxy.edge")
 
-Parts = Callable[[], AbstractAsyncContextManager[tuple[CachingProxy, Invalidator]]]
-"""Starts the service and its invalidator on enter, stops what it started on exit."""
+Parts = Callable[[], AbstractAsyncContextManager[list[tuple[CachingProxy, Invalidator]]]]
+"""Starts the service and its invalidator of every served model (the first is the default)
+on enter, stops what it started on exit."""
 
 
 def create_app(options: EdgeOptions, parts: Parts) -> web.Application:
@@ -56,8 +59,14 @@ def create_app(options: EdgeOptions, parts: Parts) -> web.Application:
 
 def _lifecycle(parts: Parts) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        async with parts() as (proxy, invalidator):
-            app[PROXY], app[INVALIDATOR] = proxy, invalidator
+        async with parts() as served:
+            app[PROXY], app[INVALIDATOR] = served[0]
+            models: dict[str, Served] = {}
+            for proxy, invalidator in served:
+                defaults = proxy.runner.defaults()
+                for name in (defaults.model_id, *sorted(defaults.aliases)):
+                    models.setdefault(name, Served(proxy, invalidator))
+            app[MODELS] = models
             yield
 
     return ctx

@@ -7,16 +7,33 @@ import time
 from aiohttp import web
 
 from cacheproxy.edge.route import json_response
-from cacheproxy.edge.state import CONNECTIONS, INVALIDATOR, PROXY, STARTED
+from cacheproxy.edge.state import CONNECTIONS, INVALIDATOR, MODELS, PROXY, STARTED, Served
+
+
+def served(app: web.Application) -> list[Served]:
+    """Every served model once, the default first."""
+    out: list[Served] = []
+    for model in app[MODELS].values():
+        if all(model.proxy is not known.proxy for known in out):
+            out.append(model)
+    return out
 
 
 async def models(request: web.Request) -> web.Response:
-    """GET /v1/models."""
-    proxy = request.app[PROXY]
-    model = proxy.runner.defaults().model_id
+    """GET /v1/models: every served model."""
     created = int(request.app[STARTED])
     return json_response({"object": "list", "data": [
-        {"id": model, "object": "model", "created": created, "owned_by": "cacheproxy"}]})
+        {"id": model.proxy.runner.defaults().model_id, "object": "model", "created": created,
+         "owned_by": "cacheproxy"} for model in served(request.app)]})
+
+
+def model_states(app: web.Application) -> list[dict[str, object]]:
+    """Per served model: its id, fingerprint, lane, generations and invalidation counters."""
+    return [{"id": m.proxy.runner.defaults().model_id,
+             "fingerprint": m.proxy.runner.fingerprint().digest,
+             "lane": m.proxy.runner.lane_state(), "generations": m.proxy.runner.generations,
+             "counters": {**m.proxy.counters, **m.invalidator.counters}}
+            for m in served(app)]
 
 
 async def health(request: web.Request) -> web.Response:
@@ -30,5 +47,6 @@ async def health(request: web.Request) -> web.Response:
         "fills_in_progress": len(proxy.flights),
         "counters": {**proxy.counters, **request.app[INVALIDATOR].counters},
         "connections": request.app.get(CONNECTIONS, {}),
+        "models": model_states(request.app),
         "time": time.time(),
     })

@@ -26,6 +26,14 @@ class EdgeOptions:
     store_label: str = ""  # the store URL without credentials, for operators
 
 
+@dataclass(frozen=True, slots=True)
+class Served:
+    """One served model: its proxy (runner, memos, flights) and its invalidator."""
+
+    proxy: CachingProxy
+    invalidator: Invalidator
+
+
 OPTIONS = web.AppKey("options", EdgeOptions)
 PROXY = web.AppKey("proxy", CachingProxy)
 INVALIDATOR = web.AppKey("invalidator", Invalidator)
@@ -34,4 +42,6 @@ METRICS = web.AppKey("metrics", Metrics)
 IDS = web.AppKey("ids", ResponseIds)
 CACHE_LOG = web.RequestKey("cache_log", dict)
 IDENTITY = web.RequestKey("identity", str)
+# Every served model by id and alias (several with --model ID=PATH ...; PROXY is the first).
+MODELS = web.AppKey("models", dict[str, Served])
 CONNECTIONS = web.AppKey("connections", dict[str, int])  # the connection guard's counters (serve)

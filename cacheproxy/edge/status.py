@@ -9,6 +9,7 @@ from aiohttp import web
 
 from backends.base import BackendError, StoreStats
 from backends.tiered import TieredBackend
+from cacheproxy.edge.info import model_states
 from cacheproxy.edge.route import json_response
 from cacheproxy.edge.state import CONNECTIONS, INVALIDATOR, METRICS, OPTIONS, PROXY, STARTED
 from cacheproxy.service.namespaces import cache_entries
@@ -52,6 +53,7 @@ async def snapshot(app: web.Application) -> dict[str, Any]:
         "counters": {**proxy.counters, **app[INVALIDATOR].counters},
         # (Evicted waiting connections, refused ones, answers cut unread: `cacheproxy serve`.)
         "connections": app.get(CONNECTIONS, {}),
+        "models": model_states(app),  # the fields above are the default (first) model's
     }
 
 
