@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
@@ -11,6 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import quote
+
+import structlog
 
 from backends.base import (
     PURGE_BATCH,
@@ -23,6 +27,7 @@ from backends.base import (
     is_expired,
 )
 
+log = structlog.get_logger("cacheproxy.store.disk")
 DEFAULT_DISK_MAX_BYTES = 1024 * 1024 * 1024
 DB_FILENAME = "cache.sqlite3"
 TOUCH_EVERY = 1.0  # seconds: a read refreshes an entry's recency at most this often
@@ -73,6 +78,8 @@ class DiskBackend:
         self._touched: dict[str, float] = {}  # key -> read time, written in batches
         self._flushed_at = 0.0
         self.touches_dropped = 0  # recencies not written (a full or read-only disk)
+        self.quarantined: list[Path] = []  # corrupt database files moved aside
+        self.read_only = False  # opened on a read-only directory or file system
 
     def __repr__(self) -> str:
         return f"DiskBackend({str(self._directory)!r}, max_bytes={self._max_bytes})"
@@ -158,9 +165,31 @@ class DiskBackend:
 
     def _call(self, op: Callable[[sqlite3.Connection], _T]) -> _T:
         try:
-            return op(self._connection())
+            try:
+                return op(self._connection())
+            except sqlite3.DatabaseError as exc:
+                if not _corrupt(exc):
+                    raise
+                self._quarantine(exc)  # then once more, on a fresh file
+                return op(self._connection())
         except (sqlite3.Error, OSError) as exc:
             raise BackendError(f"disk store {str(self._directory)!r}: {exc}") from exc
+
+    def _quarantine(self, exc: sqlite3.DatabaseError) -> None:
+        """Move a corrupt database file (and its WAL and shared memory) aside, named with
+        the time, so that the next connection starts a fresh one; say so loudly."""
+        self._close_conn(flush=False)
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        database = self._directory / DB_FILENAME
+        aside = database.with_name(f"{DB_FILENAME}.corrupt-{stamp}")
+        for suffix in ("", "-wal", "-shm"):
+            source = database.with_name(DB_FILENAME + suffix)
+            if source.exists():
+                source.rename(aside.with_name(aside.name + suffix))
+        self._bytes, self._data_version, self._touched = 0, None, {}
+        self.quarantined.append(aside)
+        log.warning("disk_store_quarantined", error=str(exc), moved_to=str(aside),
+                    note="a fresh database was started; the entries in the old one are lost")
 
     def _connection(self) -> sqlite3.Connection:
         # A failed open is retried on the next call, so a transient fault heals itself.
@@ -176,6 +205,24 @@ class DiskBackend:
         return self._conn
 
     def _open(self) -> sqlite3.Connection:
+        try:
+            return self._open_writable()
+        except sqlite3.OperationalError:
+            database = self._directory / DB_FILENAME
+            if not database.exists() or os.access(self._directory, os.W_OK) and \
+                    not _read_only_mount(self._directory):
+                raise
+        # A read-only directory or file system: serve what is stored, store nothing.
+        # immutable=1: no locks and no shared-memory file (WAL would need one, writable).
+        conn = sqlite3.connect(f"file:{quote(str(database))}?immutable=1", uri=True,
+                               timeout=_BUSY_TIMEOUT_S, isolation_level=None)
+        if not self.read_only:
+            log.warning("disk_store_read_only", path=str(database),
+                        note="stored entries are served; new ones are not stored")
+        self.read_only = True
+        return conn
+
+    def _open_writable(self) -> sqlite3.Connection:
         self._directory.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(
             self._directory / DB_FILENAME, timeout=_BUSY_TIMEOUT_S, isolation_level=None
@@ -194,8 +241,9 @@ class DiskBackend:
             raise
         return conn
 
-    def _close_conn(self) -> None:
-        self._flush_touches()
+    def _close_conn(self, *, flush: bool = True) -> None:
+        if flush:
+            self._flush_touches()
         if self._conn is not None:
             conn, self._conn = self._conn, None
             conn.close()
@@ -297,6 +345,20 @@ def _scan(conn: sqlite3.Connection, prefix: str, after: str, limit: int) -> list
         (low, high, after, limit),
     ).fetchall()
     return [k for (k,) in rows]
+
+
+def _read_only_mount(directory: Path) -> bool:
+    """Whether `directory` is on a file system mounted read-only (root writes anywhere else)."""
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _corrupt(exc: sqlite3.DatabaseError) -> bool:
+    """SQLite's words for a file that is not (or no longer) a database."""
+    text = str(exc).lower()
+    return "malformed" in text or "not a database" in text
 
 
 @contextmanager

@@ -12,6 +12,7 @@ Redis). A test marked @needs(...) runs only on the kinds with those capabilities
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sqlite3
 import subprocess
@@ -498,15 +499,45 @@ class TestDiskBackend:
         with sqlite3.connect(tmp_path / "deep" / "dir" / DB_FILENAME) as conn:
             assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
 
-    async def test_garbage_database_raises_backend_error(self, tmp_path: Path) -> None:
-        (tmp_path / DB_FILENAME).write_bytes(b"this is not a database\x00\xff" * 400)
+    async def test_a_garbage_database_is_quarantined_and_a_fresh_one_started(
+        self, tmp_path: Path
+    ) -> None:
+        """(#19) At start-up: the file is moved aside (named with the time), a fresh one
+        serves, and it says so (the proxy no longer stays in BYPASS for good)."""
+        garbage = b"this is not a database\x00\xff" * 400
+        (tmp_path / DB_FILENAME).write_bytes(garbage)
         store = DiskBackend(tmp_path)
         try:
-            with pytest.raises(BackendError) as caught:
-                await store.get("k")
-            assert isinstance(caught.value.__cause__, sqlite3.DatabaseError)
-            with pytest.raises(BackendError):
-                await store.set("k", b"v")
+            assert await store.get("k") is None
+            await store.set("k", b"v")
+            assert await store.get("k") == b"v"
+            (aside,) = store.quarantined
+            assert aside.name.startswith(f"{DB_FILENAME}.corrupt-") and \
+                aside.read_bytes() == garbage
+        finally:
+            await store.aclose()
+
+    async def test_a_database_corrupted_while_serving_heals(self, tmp_path: Path) -> None:
+        store = DiskBackend(tmp_path)
+        try:
+            for i in range(200):
+                await store.set(f"ns/{i}", os.urandom(2000))
+            await store.aclose()
+            store = DiskBackend(tmp_path)
+            assert await store.get("ns/0") is not None  # serving, its connection open
+            database = tmp_path / DB_FILENAME
+            with database.open("r+b") as f:  # pages overwritten under it
+                f.seek(8192)
+                f.write(os.urandom(200_000))
+            # Another process commits (as `cacheproxy purge` would): the store's connection
+            # reads the file again, and meets the damage.
+            with contextlib.closing(sqlite3.connect(database, isolation_level=None)) as other:
+                other.execute("PRAGMA user_version = 7")
+            answers = [await store.get(f"ns/{i}") for i in range(200)]  # no error raised
+            assert len(store.quarantined) == 1, "the corruption was not detected"
+            assert answers == [None] * 200  # the old entries went with the file
+            await store.set("ns/new", b"v")
+            assert await store.get("ns/new") == b"v"
         finally:
             await store.aclose()
 
@@ -539,6 +570,25 @@ class TestDiskBackend:
                 assert await store.get(key) is not None, key
             await store.aclose()
             assert store.touches_dropped > 0  # the writes were tried, and failed, off the reads
+        finally:
+            await store.aclose()
+
+    async def test_a_read_only_store_serves_what_it_holds(self, tiny_disk: Path) -> None:
+        """(#19) A store on a file system remounted read-only: its entries are read (no
+        SIGBUS, no 'unable to open database file'), new ones refused as store errors."""
+        store = DiskBackend(tiny_disk)
+        for i in range(20):
+            await store.set(f"ns/{i}", b"v%d" % i)
+        await store.aclose()
+        await asyncio.to_thread(subprocess.run, ["mount", "-o", "remount,ro", str(tiny_disk)],
+                                check=True)
+        store = DiskBackend(tiny_disk)
+        try:
+            assert [await store.get(f"ns/{i}") for i in range(20)] == \
+                [b"v%d" % i for i in range(20)]
+            assert store.read_only
+            with pytest.raises(BackendError):
+                await store.set("ns/new", b"v")
         finally:
             await store.aclose()
 

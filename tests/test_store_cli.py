@@ -164,3 +164,11 @@ async def test_purge_superseded_through_the_cli(make_proxy: ProxyFactory, tmp_pa
     out = run("purge", "--superseded", "--store", store)
     assert out.stdout.strip() == f"removed {len(REQUESTS)} entries"
     assert json.loads(run("stats", "--store", store, "--json").stdout)["namespaces"] == []
+
+
+def test_a_store_that_fails_is_a_message_not_a_traceback() -> None:
+    # (#19) An unreachable store: the store commands say so and exit 2.
+    done = subprocess.run([sys.executable, "-m", "cacheproxy", "stats", "--store",
+                           "redis://127.0.0.1:1/0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.startswith("cacheproxy: error: ") and "Traceback" not in done.stderr

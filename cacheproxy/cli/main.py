@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from backends.base import BackendError
 from cacheproxy import __version__
 from cacheproxy.cli.settings import Settings, build_settings
 from cacheproxy.errors import UpstreamUnavailable
@@ -162,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "fingerprint":
             return fingerprint(args.model, args.prefill_step)
         return asyncio.run(_store_command(args))
-    except (ValueError, FileNotFoundError, FileExistsError, UpstreamUnavailable) as exc:
+    except (ValueError, FileNotFoundError, FileExistsError, UpstreamUnavailable,
+            BackendError) as exc:  # a store that fails: its message, not a traceback
         print(f"cacheproxy: error: {exc}", file=sys.stderr)
         return 2
 
