@@ -421,5 +421,10 @@ async def test_two_models_behind_one_proxy_each_with_its_lane_namespace_and_relo
             assert now["demo"]["counters"]["reloads"] == 0  # type: ignore[index]
             assert now["q"]["counters"]["reloads"] == 1  # type: ignore[index]
             assert (await ask("demo"))[0] == "HIT" and (await ask("q"))[0] == "MISS"
+            async with session.get(url + "/metrics") as resp:
+                metrics = await resp.text()
+            for line in ('cacheproxy_model_requests_total{cache="HIT",model="demo"} 2.0',
+                         'cacheproxy_model_requests_total{cache="MISS",model="q"} 2.0'):
+                assert line in metrics, metrics
     finally:
         await server.close()

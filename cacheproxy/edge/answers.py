@@ -149,7 +149,8 @@ def _stored_hit(request: web.Request, hit: Stored, proxy: CachingProxy,
                 memo_key: RepeatKey | None) -> web.Response:
     """A HIT of the full path: rendered once per record and delivery, remembered for the
     repeats of the same body (`memo_key`, None under Cache-Control)."""
-    info = request[CACHE_LOG] = _log_fields(hit.status, hit.reason, hit.key.short)
+    info = request[CACHE_LOG] = _log_fields(hit.status, hit.reason, hit.key.short,
+                                            hit.parsed.request.model)
     output = hit.record.output
     info["tokens"] = output.completion_tokens
     ms = hit.record.provenance.get("generation_ms")
@@ -185,7 +186,8 @@ def _hit_template(proxy: CachingProxy, hit: Stored) -> Template:
 async def _flowing(request: web.Request, answer: Flowing, ttl: float | None
                    ) -> web.StreamResponse:
     """An answer through a flight: relayed live (stream) or sent once it ends."""
-    info = request[CACHE_LOG] = _log_fields(answer.status, answer.reason, answer.key.short)
+    info = request[CACHE_LOG] = _log_fields(answer.status, answer.reason, answer.key.short,
+                                            answer.parsed.request.model)
     headers = _cache_headers(answer.status, answer.reason, answer.key, answer.fingerprint,
                              answer.parsed, stores=answer.stores, age=answer.age, ttl=ttl)
     frame = _frame(answer.parsed, answer.fingerprint, answer.key, request.app[IDS].next(
@@ -221,11 +223,12 @@ def _prefilled(frame: render.Frame, flight: Flight, headers: dict[str, str],
     return dataclasses.replace(frame, reused=prefill.reused)
 
 
-def _log_fields(status: CacheStatus, reason: Reason, short_key: str) -> dict[str, Any]:
+def _log_fields(status: CacheStatus, reason: Reason, short_key: str, model: str
+                ) -> dict[str, Any]:
     """The cache fields of the access line (the key's request part: entries differ there).
     The enums' own str values: the metrics count them as dict keys, where a plain interned
     str hashes and compares at once."""
-    return {"cache": status.value, "reason": reason.value, "key": short_key}
+    return {"cache": status.value, "reason": reason.value, "key": short_key, "model": model}
 
 
 def _frame(parsed: Parsed, fingerprint: str, key: str, response_id: str, created: int, *,

@@ -87,6 +87,7 @@ class RequestTally(Collector):
         self._pending: list[FinishedRequest] = []
         self.record: Callable[[FinishedRequest], None] = self._pending.append
         self._by_cache: defaultdict[str, int] = defaultdict(int)  # requests by cache status
+        self._by_model: defaultdict[tuple[str, str], int] = defaultdict(int)  # (model, cache)
         self._minutes: deque[tuple[int, dict[str, int]]] = deque(maxlen=MINUTES)
         self._requests: defaultdict[tuple[str, str, str, int], int] = defaultdict(int)
         self._latency: defaultdict[str, Buckets] = defaultdict(Buckets)
@@ -116,6 +117,7 @@ class RequestTally(Collector):
                 if counts is None:
                     counts = self._minute()
                 self._by_cache[cache] += 1
+                self._by_model[info.get("model", ""), cache] += 1
                 counts[cache] = counts.get(cache, 0) + 1
                 if cache == CacheStatus.HIT:
                     self._saved_tokens += info.get("tokens", 0)
@@ -168,6 +170,12 @@ class RequestTally(Collector):
         for (endpoint, cache, reason, status), count in list(self._requests.items()):
             requests.add_metric([endpoint, cache, reason, str(status)], count)
         yield requests
+        by_model = CounterMetricFamily(
+            "cacheproxy_model_requests", "API requests by served model and cache status",
+            labels=["model", "cache"])
+        for (model, cache), count in list(self._by_model.items()):
+            by_model.add_metric([model, cache], count)
+        yield by_model
         latency = HistogramMetricFamily("cacheproxy_request_seconds",
                                         "Request latency by cache status", labels=["cache"])
         for cache, buckets in list(self._latency.items()):
