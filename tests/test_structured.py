@@ -131,3 +131,22 @@ async def test_responses_text_format_json_schema(make_proxy: ProxyFactory) -> No
         text={"format": {"type": "json_schema", "name": "Animal", "schema": schema,
                          "strict": True}})
     assert isinstance(Animal.model_validate_json(reply.output_text), Animal)
+
+
+async def test_the_demo_models_answers_under_a_small_schema_are_sensible(
+        make_proxy: ProxyFactory) -> None:
+    """(#20) Asked for JSON, under {"animal": string, "food": string}: the animal asked about
+    and what it eats in the demo world. (Not asked for JSON at all, it sometimes runs on
+    after the food with a sentence's end inside the string: the README says so.)"""
+    proxy = await make_proxy()
+    small = {"type": "object", "additionalProperties": False, "required": ["animal", "food"],
+             "properties": {"animal": {"type": "string"}, "food": {"type": "string"}}}
+    foods = {"fox": "berries", "owl": "mice", "bear": "honey", "wolf": "meat", "duck": "bread"}
+    for animal, food in foods.items():
+        reply = await proxy.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "system", "content": "Answer in JSON."},
+                                   {"role": "user", "content": f"What does the {animal} eat?"}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "Animal", "schema": small}})
+        assert json.loads(reply.choices[0].message.content or "") == \
+            {"animal": animal, "food": food}
