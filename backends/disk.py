@@ -49,6 +49,19 @@ _SCHEMA = (
     )""",
     "CREATE INDEX IF NOT EXISTS entries_by_access ON entries (accessed_at)",
 )
+# The byte total kept by the database itself, for every connection (another process's
+# too): reading it is O(1), where summing the table after another connection's commit cost
+# ~400 ms at a million entries, on the next read.
+_TOTALS = (
+    "CREATE TABLE IF NOT EXISTS totals (id INTEGER PRIMARY KEY CHECK (id = 0),"
+    " bytes INTEGER NOT NULL)",
+    "CREATE TRIGGER IF NOT EXISTS entries_added AFTER INSERT ON entries"
+    " BEGIN UPDATE totals SET bytes = bytes + NEW.size WHERE id = 0; END",
+    "CREATE TRIGGER IF NOT EXISTS entries_removed AFTER DELETE ON entries"
+    " BEGIN UPDATE totals SET bytes = bytes - OLD.size WHERE id = 0; END",
+    "CREATE TRIGGER IF NOT EXISTS entries_resized AFTER UPDATE OF size ON entries"
+    " BEGIN UPDATE totals SET bytes = bytes - OLD.size + NEW.size WHERE id = 0; END",
+)
 
 _T = TypeVar("_T")
 
@@ -69,6 +82,8 @@ class DiskBackend:
         self._max_bytes = check_max_bytes(max_bytes)
         self._clock = clock
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheproxy-disk")
+        self._purger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheproxy-purge")
+        self._purge_conn: sqlite3.Connection | None = None  # the purge thread's own
         # Touched only on the worker thread; opened lazily so construction never blocks.
         self._conn: sqlite3.Connection | None = None
         self._bytes = 0
@@ -121,9 +136,14 @@ class DiskBackend:
     async def purge_namespace(self, namespace: str) -> int:
         """Delete every key starting with namespace + "/", in batches; return the count."""
         total = 0
+        loop = asyncio.get_running_loop()
         while True:
-            # One short transaction per batch: gets and sets run in between.
-            removed = await self._run(lambda conn: self._purge(conn, namespace, PURGE_BATCH))
+            # On a connection and thread of its own: reads never wait for it (WAL readers
+            # do not wait for the writer), and the serving connection takes the new byte
+            # total from the database (O(1)) when it sees the commits.
+            if self._closed:
+                raise BackendError(f"{self!r} is closed")
+            removed = await loop.run_in_executor(self._purger, self._purge_batch, namespace)
             total += removed
             if removed < PURGE_BATCH:
                 return total
@@ -151,6 +171,9 @@ class DiskBackend:
             loop = asyncio.get_running_loop()
             self._close_done = loop.run_in_executor(self._executor, self._close_conn)
             self._executor.shutdown(wait=False)
+            purger_done = loop.run_in_executor(self._purger, self._close_purge_conn)
+            self._purger.shutdown(wait=False)
+            await purger_done
         await self._close_done
 
     # -- event-loop side ------------------------------------------------------------
@@ -197,11 +220,10 @@ class DiskBackend:
             self._conn = self._open()
             self._data_version = None
         # data_version moves only on other connections' commits (say `cacheproxy purge`);
-        # recount then, so the running total never drifts from the table.
+        # read the total again then, so the running total never drifts from the table.
         (version,) = self._conn.execute("PRAGMA data_version").fetchone()
         if version != self._data_version:
-            (total,) = self._conn.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()
-            self._bytes, self._data_version = int(total), int(version)
+            self._bytes, self._data_version = _total(self._conn), int(version)
         return self._conn
 
     def _open(self) -> sqlite3.Connection:
@@ -236,6 +258,12 @@ class DiskBackend:
             conn.execute("PRAGMA journal_size_limit=67108864")
             for statement in _SCHEMA:
                 conn.execute(statement)
+            with _transaction(conn):  # (with the triggers, so no row is counted twice or not)
+                for statement in _TOTALS:
+                    conn.execute(statement)
+                if conn.execute("SELECT 1 FROM totals").fetchone() is None:  # once per file
+                    conn.execute("INSERT INTO totals (id, bytes)"
+                                 " SELECT 0, COALESCE(SUM(size), 0) FROM entries")
         except BaseException:
             conn.close()
             raise
@@ -316,17 +344,19 @@ class DiskBackend:
         self._bytes -= row[0]
         return not is_expired(row[1], now)
 
-    def _purge(self, conn: sqlite3.Connection, namespace: str, batch: int) -> int:
-        # A key range instead of LIKE: it uses the primary key and needs no escaping.
-        bounds = _bounds(namespace + "/")
-        with _transaction(conn):
-            rows = conn.execute(
-                "SELECT key, size FROM entries WHERE key >= ? AND key < ? LIMIT ?",
-                (*bounds, batch),
-            ).fetchall()
-            conn.executemany("DELETE FROM entries WHERE key = ?", [(k,) for k, _ in rows])
-        self._bytes -= sum(size for _, size in rows)
-        return len(rows)
+    def _purge_batch(self, namespace: str) -> int:
+        """One batch of a purge, on the purge thread and its connection."""
+        try:
+            if self._purge_conn is None:
+                self._purge_conn = self._open()
+            return _purge(self._purge_conn, namespace, PURGE_BATCH)
+        except (sqlite3.Error, OSError) as exc:
+            raise BackendError(f"disk store {str(self._directory)!r}: {exc}") from exc
+
+    def _close_purge_conn(self) -> None:
+        if self._purge_conn is not None:
+            conn, self._purge_conn = self._purge_conn, None
+            conn.close()
 
     def _stats(self, conn: sqlite3.Connection) -> StoreStatsResult:
         (count,) = conn.execute("SELECT COUNT(*) FROM entries").fetchone()
@@ -345,6 +375,29 @@ def _scan(conn: sqlite3.Connection, prefix: str, after: str, limit: int) -> list
         (low, high, after, limit),
     ).fetchall()
     return [k for (k,) in rows]
+
+
+def _purge(conn: sqlite3.Connection, namespace: str, batch: int) -> int:
+    # A key range instead of LIKE: it uses the primary key and needs no escaping.
+    bounds = _bounds(namespace + "/")
+    with _transaction(conn):
+        rows = conn.execute(
+            "SELECT key FROM entries WHERE key >= ? AND key < ? LIMIT ?", (*bounds, batch),
+        ).fetchall()
+        conn.executemany("DELETE FROM entries WHERE key = ?", rows)
+    return len(rows)
+
+
+def _total(conn: sqlite3.Connection) -> int:
+    """The byte total of the entries (summed only in a database without the totals table:
+    one written by an earlier version, opened read-only)."""
+    try:
+        row = conn.execute("SELECT bytes FROM totals WHERE id = 0").fetchone()
+    except sqlite3.OperationalError:
+        row = None
+    if row is None:
+        row = conn.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()
+    return int(row[0])
 
 
 def _read_only_mount(directory: Path) -> bool:

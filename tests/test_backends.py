@@ -481,6 +481,42 @@ class TestDiskBackend:
             await server.aclose()
             await cli.aclose()
 
+    async def test_another_connections_commit_costs_no_table_scan(
+        self, tmp_path: Path, clock: FakeClock
+    ) -> None:
+        """(#18 cost curves) The byte total lives in the database (triggers): after another
+        connection's commit a read takes it in O(1) instead of summing every row (~400 ms at
+        a million entries, on the serving process's next read)."""
+        server = DiskBackend(tmp_path, clock=clock)
+        cli = DiskBackend(tmp_path, clock=clock)
+        try:
+            for i in range(50):
+                await server.set(f"old/{i}", b"x" * 90)
+            statements: list[str] = []
+            await server._run(lambda conn: conn.set_trace_callback(statements.append))
+            assert await cli.purge_namespace("old") == 50
+            assert await server.get("old/0") is None
+            assert (await server.stats()).bytes == 0
+            assert not [q for q in statements if "SUM(" in q.upper()], statements
+        finally:
+            await server.aclose()
+            await cli.aclose()
+
+    async def test_a_database_of_an_earlier_version_gets_its_total(self, tmp_path: Path) -> None:
+        with contextlib.closing(sqlite3.connect(tmp_path / DB_FILENAME,
+                                                isolation_level=None)) as old:
+            old.execute("CREATE TABLE entries (key TEXT PRIMARY KEY, size INTEGER NOT NULL,"
+                        " expires_at REAL, accessed_at REAL NOT NULL, value BLOB NOT NULL)")
+            old.executemany("INSERT INTO entries VALUES (?, ?, NULL, 0, ?)",
+                            [(f"k{i}", 10 + i, b"v") for i in range(5)])
+        store = DiskBackend(tmp_path)
+        try:
+            assert (await store.stats()).bytes == sum(10 + i for i in range(5))
+            await store.set("new", b"v" * 10)
+            assert (await store.stats()).bytes == sum(10 + i for i in range(5)) + 13
+        finally:
+            await store.aclose()
+
     async def test_committed_set_is_visible_without_close(self, tmp_path: Path) -> None:
         writer = DiskBackend(tmp_path)
         reader = DiskBackend(tmp_path)
