@@ -16,7 +16,7 @@ import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
 from backends import open_backend
-from backends.base import NamespaceStats
+from backends.base import Backend, NamespaceStats
 from cacheproxy.cli.serve import build_app
 from cacheproxy.cli.settings import Settings
 from cacheproxy.edge.state import INVALIDATOR, PROXY
@@ -311,13 +311,19 @@ async def test_two_engine_versions_serve_side_by_side_and_the_old_goes_after_its
         ("current", 1)
 
 
-async def test_a_replica_that_dies_keeps_its_namespace_until_lease_and_grace_lapse() -> None:
-    """A crashed replica releases nothing: its lease lapses, then the grace period runs."""
+def _two_versions() -> tuple[list[float], Backend, Registry, fp.Fingerprint, fp.Fingerprint]:
+    """A registry on a memory store with a settable clock, and the demo model's fingerprint
+    under two engine versions."""
     now = [0.0]
     store = open_backend("memory://")
     registry = Registry(store, clock=lambda: now[0])
-    a = dataclasses.replace(FINGERPRINT_A, engine_version="1")
-    b = dataclasses.replace(FINGERPRINT_A, engine_version="2")
+    return (now, store, registry, dataclasses.replace(FINGERPRINT_A, engine_version="1"),
+            dataclasses.replace(FINGERPRINT_A, engine_version="2"))
+
+
+async def test_a_replica_that_dies_keeps_its_namespace_until_lease_and_grace_lapse() -> None:
+    """A crashed replica releases nothing: its lease lapses, then the grace period runs."""
+    now, store, registry, a, b = _two_versions()
     assert await registry.observe(a, replica="r1", lease_ttl=30, grace=60) == []
     for t, superseded in ((10, []), (29, []), (31, []), (89, []), (91, [a.digest])):
         now[0] = t
@@ -329,11 +335,7 @@ async def test_a_live_lease_holds_its_namespace_whatever_the_grace() -> None:
     """With no grace at all, a namespace a live replica holds is not superseded (the lease
     alone keeps it); a replica whose files changed releases its lease without grace, and
     the namespace stays while another replica still holds one."""
-    now = [0.0]
-    store = open_backend("memory://")
-    registry = Registry(store, clock=lambda: now[0])
-    a = dataclasses.replace(FINGERPRINT_A, engine_version="1")
-    b = dataclasses.replace(FINGERPRINT_A, engine_version="2")
+    now, store, registry, a, b = _two_versions()
     assert await registry.observe(a, replica="r1", lease_ttl=30, grace=0) == []
     assert await registry.observe(a, replica="r3", lease_ttl=30, grace=0) == []
     now[0] = 10

@@ -194,7 +194,7 @@ async def _flowing(request: web.Request, answer: Flowing, ttl: float | None
         answer.parsed.delivery.api), int(time.time()), cached=answer.status is CacheStatus.HIT)
     flight = answer.flight
     if answer.parsed.delivery.stream:
-        await flight.prefill_known()  # the headers say what the prefill reused
+        # (The proxy answered once the flight started: a generation's prefill is known.)
         response = await _stream(request, answer, _prefilled(frame, flight, headers, info),
                                  headers)
     else:

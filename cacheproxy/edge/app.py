@@ -80,7 +80,7 @@ async def _fold_tally(app: web.Application) -> AsyncIterator[None]:
     await asyncio.gather(task, return_exceptions=True)
 
 
-def _too_large(limit: int) -> Callable[[int | str], web.StreamResponse]:
+def _refusal(limit: int) -> Callable[[int | str], web.StreamResponse]:
     def refuse(what: int | str) -> web.StreamResponse:
         error: ProxyError
         if isinstance(what, str):
@@ -138,7 +138,7 @@ def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics) ->
             ("POST", "/admin/flush", admin.flush, guard),
         ]
     allowed: dict[str, set[str]] = {}
-    expect = expect_within(options.max_body_bytes, _too_large(options.max_body_bytes))
+    expect = expect_within(options.max_body_bytes, _refusal(options.max_body_bytes))
     for method, path, handler, route_options in routes:
         app.router.add_route(method, path, edge(handler, endpoint=path, **route_options),
                              expect_handler=expect)

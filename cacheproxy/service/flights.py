@@ -58,9 +58,9 @@ class Flight:
         self._wake()
 
     def prefilled(self, prefill: Prefill) -> None:
-        """The generation's prefill is done (before its first chunk)."""
+        """The generation's prefill is done (before its first chunk, so before `started`
+        returns)."""
         self.prefill = prefill
-        self._wake()
 
     def _wake(self) -> None:
         self._changed.set()
@@ -72,12 +72,6 @@ class Flight:
             await self._changed.wait()
         if self.error is not None and not self.chunks:
             raise self.error
-
-    async def prefill_known(self) -> None:
-        """Wait until the prefill is reported, the first chunk, or the end (a stream's
-        headers carry the prefill; a replay or an upstream has none to report)."""
-        while self.prefill is None and not self.chunks and not self.done:
-            await self._changed.wait()
 
     async def ended(self) -> Output:
         """The output once the fill ends, without a wake-up per chunk; or its error."""
