@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from cacheproxy.cli.main import _parser
+from cacheproxy.cli.settings import build_settings
 
 ROOT = Path(__file__).parent.parent
 
@@ -40,7 +41,9 @@ def test_proxy_command_parses_with_the_real_cli() -> None:
     proxy = _compose()["services"]["proxy"]  # type: ignore[index]
     args = _parser().parse_args(proxy["command"])
     assert args.command == "serve"
-    assert args.upstream == ["http://runner:8081"] and args.model_dir == "/models/demo"
+    flags = {k: v for k, v in vars(args).items() if k != "command"}
+    pools = build_settings(flags, {}).upstream_pools
+    assert [(p.model_dir, p.urls) for p in pools] == [("/models/demo", ("http://runner:8081",))]
     assert args.store == "tiered+redis://redis:6379/0"  # L1 kept coherent by Redis
     from backends import open_backend
 

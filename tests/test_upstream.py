@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
+import shutil
 import subprocess
 import sys
 import weakref
@@ -630,6 +632,92 @@ def test_settings_for_upstream_mode() -> None:
         build_settings({"upstream": ["http://c:3"]}, {})
     with pytest.raises(ValueError, match="not an http URL"):
         build_settings({"upstream": ["c:3"], "model_dir": "/m"}, {})
+
+
+def test_settings_tie_each_upstream_pool_to_its_model_directory() -> None:
+    """(#21) `--model-dir ID=DIR` repeated, each `--upstream ID=URL` in its pool."""
+    flags = {"model_dir": ["demo=/m/demo", "q=/m/q"],
+             "upstream": ["demo=http://a:1", "q=http://b:2", "demo=http://c:3"]}
+    settings = build_settings(flags, {})
+    assert [(p.model_id, p.model_dir, p.urls) for p in settings.upstream_pools] == [
+        ("demo", "/m/demo", ("http://a:1", "http://c:3")), ("q", "/m/q", ("http://b:2",))]
+    assert settings.served_model_id == "demo"
+    env = {"CACHEPROXY_MODEL_DIR": "demo=/m/demo,q=/m/q",
+           "CACHEPROXY_UPSTREAM": "demo=http://a:1,q=http://b:2"}
+    assert [p.urls for p in build_settings({}, env).upstream_pools] == [
+        ("http://a:1",), ("http://b:2",)]
+    one = build_settings({"model_dir": ["/m"], "upstream": ["http://a:1"],
+                          "model_id": "mine"}, {})
+    assert [(p.model_id, p.urls) for p in one.upstream_pools] == [("mine", ("http://a:1",))]
+    for bad, message in [
+        ({"upstream": ["http://a:1"]}, "several --model-dir, give each upstream as ID=URL"),
+        ({"upstream": ["x=http://a:1", "demo=http://a:1", "q=http://b:2"]},
+         "'x=http://a:1' names no --model-dir"),
+        ({"upstream": ["demo=http://a:1"]}, "--model-dir q=/m/q has no --upstream"),
+        ({"upstream": ["demo=a:1", "q=http://b:2"]}, "'a:1' is not an http URL"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            build_settings({**flags, **bad}, {})
+    with pytest.raises(ValueError, match="two models with one id"):
+        build_settings({"model_dir": ["a=/m/1", "a=/m/2"], "upstream": ["a=http://a:1"]}, {})
+    with pytest.raises(ValueError, match="--model is for the in-process runner"):
+        build_settings({**flags, "model": ["x=/m/x"]}, {})
+
+
+async def test_two_models_each_on_its_own_upstream_pool(
+    upstreams: list[Upstream], model_dir: Path, relay: Callable[[str], Awaitable[Relay]],
+    start_proxy: Callable[..., Awaitable[UpProxy]], tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """(#21) Two model directories, each served by its own mlx_lm.server: requests route by
+    `model` to that model's pool only, each model is MISS then HIT under its own
+    fingerprint, and a change to one model's files re-fingerprints only that one."""
+    base = tmp_path_factory.mktemp("pools")
+    q4 = write_copy(base / "q4", quantize=4)
+    served_q4 = Upstream(q4, free_port(), base / "server-q4.log")
+    served_q4.start()
+    try:
+        served_q4.wait_ready()
+        to_demo, to_q = await relay(upstreams[0].url), await relay(served_q4.url)
+        watched = base / "watched-q4"  # the proxy's copy (the upstream keeps what it loaded)
+        shutil.copytree(q4, watched)
+        proxy = await start_proxy([], upstream=(f"demo={to_demo.url}", f"q={to_q.url}"),
+                                  model_dir=f"demo={model_dir},q={watched}", model_id="",
+                                  watch=True, watch_interval=0.1)
+        async with aiohttp.ClientSession() as session:
+            async def ask(model: str) -> tuple[str, str]:
+                async with session.post(proxy.url + CHAT, json={
+                        **_chat("What does the fox eat?"), "model": model}) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert (await resp.json())["model"] == model
+                    return resp.headers["X-Cache"], resp.headers["X-Cache-Fingerprint"]
+
+            first = {m: await ask(m) for m in ("demo", "q")}
+            again = {m: await ask(m) for m in ("demo", "q")}
+            assert [c for c, _ in first.values()] == ["MISS", "MISS"]
+            assert [c for c, _ in again.values()] == ["HIT", "HIT"]
+            assert first["demo"][1] != first["q"][1]
+            assert (len(to_demo.generations), len(to_q.generations)) == (1, 1)
+            async with session.get(proxy.url + "/v1/models") as resp:
+                assert [m["id"] for m in (await resp.json())["data"]] == ["demo", "q"]
+
+            config = orjson.loads((watched / "config.json").read_bytes())
+            (watched / "config.json").write_bytes(orjson.dumps({**config, "note": "changed"}))
+
+            async def states() -> dict[str, dict[str, Any]]:
+                return {m["id"]: m for m in (await proxy.health(session))["models"]}
+
+            for _ in range(200):
+                if (await states())["q"]["fingerprint"] != first["q"][1]:
+                    break
+                await asyncio.sleep(0.05)
+            now = await states()
+            assert now["q"]["fingerprint"] != first["q"][1], "q was not re-fingerprinted"
+            assert now["demo"]["fingerprint"] == first["demo"][1]
+            assert now["demo"]["counters"]["reloads"] == 0
+            assert (await ask("demo"))[0] == "HIT" and (await ask("q"))[0] == "MISS"
+            assert (len(to_demo.generations), len(to_q.generations)) == (1, 2)
+    finally:
+        served_q4.kill()
 
 
 def test_serve_without_a_reachable_upstream_exits_with_a_message(model_dir: Path,

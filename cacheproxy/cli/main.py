@@ -68,11 +68,13 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                            "help": "seconds a namespace nobody serves waits to be superseded"}),
     ("--replay", {"action": "store_const", "const": True,
                   "help": "never generate: answer from the store or 404 not_recorded"}),
-    ("--upstream", {"action": "append", "metavar": "URL",
+    ("--upstream", {"action": "append", "metavar": "[ID=]URL",
                     "help": "generate on a running mlx_lm.server instead of in-process "
-                            "(repeatable: a pool; env CACHEPROXY_UPSTREAM, comma-separated)"}),
-    ("--model-dir", {"metavar": "PATH",
-                     "help": "with --upstream: the model directory the upstream serves"}),
+                            "(repeatable: a pool; ID=URL ties it to --model-dir ID=DIR; "
+                            "env CACHEPROXY_UPSTREAM, comma-separated)"}),
+    ("--model-dir", {"action": "append", "metavar": "[ID=]DIR",
+                     "help": "with --upstream: the model directory the upstream serves; "
+                             "repeat as ID=DIR to serve several models, each on its pool"}),
     ("--upstream-timeout", {"type": float,
                             "help": "seconds to connect to an upstream, and its longest silence"}),
     ("--log-format", {"choices": ["auto", "json", "console"]}),

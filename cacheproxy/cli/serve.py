@@ -22,7 +22,7 @@ from aiohttp import web
 
 from backends import redact_url
 from backends.base import Backend
-from cacheproxy.cli.settings import Settings
+from cacheproxy.cli.settings import Settings, UpstreamPool
 from cacheproxy.edge.app import create_app
 from cacheproxy.edge.state import CONNECTIONS, EdgeOptions
 from cacheproxy.observe.logs import BatchedLines
@@ -62,23 +62,18 @@ def service_options(settings: Settings) -> ServiceOptions:
 
 
 def build_runners(settings: Settings) -> list[Runner]:
-    """One runner per served model (in-process), or the upstream pool's one."""
-    if settings.upstream or len(settings.served_models) == 1:
-        return [build_runner(settings)]
+    """One runner per served model: in-process, or an upstream pool per model directory."""
+    if settings.upstream:
+        return [_upstream_runner(settings, pool) for pool in settings.upstream_pools]
     return [_mlx_runner(settings, name, model) for name, model in settings.served_models]
 
 
-def build_runner(settings: Settings) -> Runner:
-    """In-process MLX, or the upstream mlx_lm.server pool when upstreams are given."""
-    if settings.upstream:
-        return UpstreamRunner(UpstreamOptions(
-            urls=settings.upstream, model_dir=Path(settings.model_dir),
-            model_id=settings.served_model_id, queue_size=settings.queue_size,
-            default_max_tokens=settings.default_max_tokens,
-            max_tokens_cap=settings.max_tokens_cap, device_scope=settings.device_scope,
-            digest_memo=Path(settings.digest_memo), timeout=settings.upstream_timeout))
-    return _mlx_runner(settings, settings.served_model_id,
-                       settings.model_for(settings.served_model_id))
+def _upstream_runner(settings: Settings, pool: UpstreamPool) -> UpstreamRunner:
+    return UpstreamRunner(UpstreamOptions(
+        urls=pool.urls, model_dir=Path(pool.model_dir), model_id=pool.model_id,
+        queue_size=settings.queue_size, default_max_tokens=settings.default_max_tokens,
+        max_tokens_cap=settings.max_tokens_cap, device_scope=settings.device_scope,
+        digest_memo=Path(settings.digest_memo), timeout=settings.upstream_timeout))
 
 
 def _mlx_runner(settings: Settings, name: str, model: str) -> MlxRunner:

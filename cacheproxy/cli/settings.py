@@ -90,7 +90,7 @@ class Settings:
         if self.model_id:
             return self.model_id
         if self.upstream:
-            return DEMO_MODEL_ID if self.model_dir == str(BUNDLED_MODEL) else self.model_dir
+            return self.upstream_pools[0].model_id
         return self.served_models[0][0]
 
     @property
@@ -98,24 +98,69 @@ class Settings:
         """(id, model) of every model served in-process: `--model ID=PATH`, repeatable
         (comma-separated in CACHEPROXY_MODEL); a bare PATH is named by --model-id, else the
         demo's name for the bundled model, else the PATH itself."""
-        specs = [part.strip() for part in self.model.split(",") if part.strip()]
-        if len(specs) == 1 and "=" not in specs[0]:
-            model = specs[0]
-            name = self.model_id or (DEMO_MODEL_ID if model == str(BUNDLED_MODEL) else model)
-            return ((name, model),)
-        served = []
-        for spec in specs:
-            name, _, model = spec.partition("=") if "=" in spec else ("", "", spec)
-            if not model:
-                raise ValueError(f"invalid value for setting 'model': {spec!r} (ID=PATH)")
-            served.append((name or (DEMO_MODEL_ID if model == str(BUNDLED_MODEL) else model),
-                           model))
-        return tuple(served)
+        return _named(self.model, "model", self.model_id)
+
+    @property
+    def upstream_pools(self) -> tuple[UpstreamPool, ...]:
+        """The upstream pools, each tied to the model directory its mlx_lm.server processes
+        serve: `--model-dir [ID=]DIR` (repeatable, as --model) and `--upstream [ID=]URL`
+        (repeatable); with one directory a bare URL is its, with several each URL names
+        the ID of its directory."""
+        dirs = _named(self.model_dir, "model_dir", self.model_id)
+        urls: dict[str, list[str]] = {name: [] for name, _ in dirs}
+        for spec in self.upstream:
+            bare = spec.startswith(("http://", "https://")) or "=" not in spec
+            name, _, url = ("", "", spec) if bare else spec.partition("=")
+            if not name and len(dirs) == 1:
+                name = dirs[0][0]
+            if name not in urls:
+                raise ValueError(
+                    f"invalid value for setting 'upstream': {spec!r} names no --model-dir"
+                    if name else f"invalid value for setting 'upstream': {spec!r}: with "
+                    "several --model-dir, give each upstream as ID=URL")
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"invalid value for setting 'upstream': {url!r} is not an "
+                                 "http URL")
+            urls[name].append(url)
+        for name, directory in dirs:
+            if not urls[name]:
+                raise ValueError(f"--model-dir {name}={directory} has no --upstream "
+                                 f"(give one as {name}=URL)")
+        return tuple(UpstreamPool(name, directory, tuple(urls[name])) for name, directory in dirs)
 
     def model_for(self, model_id: str) -> str:
         """The model (path or repo) served as `model_id` (the first one if none is)."""
         served = self.served_models
         return next((model for name, model in served if name == model_id), served[0][1])
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamPool:
+    """The mlx_lm.server processes that serve one model directory, as one model."""
+
+    model_id: str
+    model_dir: str
+    urls: tuple[str, ...]
+
+
+def _named(value: str, setting: str, model_id: str) -> tuple[tuple[str, str], ...]:
+    """(id, path) of each `[ID=]PATH` in a comma-separated setting: a lone bare PATH is
+    named by --model-id; any other bare PATH by the demo's name for the bundled model, else
+    by the PATH itself."""
+    specs = [part.strip() for part in value.split(",") if part.strip()]
+    if len(specs) == 1 and "=" not in specs[0]:
+        return ((model_id or _default_name(specs[0]), specs[0]),)
+    named = []
+    for spec in specs:
+        name, _, path = spec.partition("=") if "=" in spec else ("", "", spec)
+        if not path:
+            raise ValueError(f"invalid value for setting '{setting}': {spec!r} (ID=PATH)")
+        named.append((name or _default_name(path), path))
+    return tuple(named)
+
+
+def _default_name(path: str) -> str:
+    return DEMO_MODEL_ID if path == str(BUNDLED_MODEL) else path
 
 
 def _convert(field: dataclasses.Field[Any], raw: object) -> object:
@@ -195,16 +240,17 @@ def validate(settings: Settings) -> None:
     served = settings.served_models
     if len({name for name, _ in served}) != len(served):
         raise ValueError("invalid value for setting 'model': two models with one id")
-    if len(served) > 1 and settings.upstream:
-        raise ValueError("several --model are served in-process; upstream mode serves the "
-                         "one model of --model-dir")
     if settings.upstream and not settings.model_dir:
         raise ValueError("--upstream needs --model-dir: the model directory the upstream serves")
     if settings.model_dir and not settings.upstream:
         raise ValueError("--model-dir is for --upstream; the in-process runner takes --model")
-    for url in settings.upstream:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"invalid value for setting 'upstream': {url!r} is not an http URL")
+    if settings.upstream:
+        if len(served) > 1 or settings.model != str(BUNDLED_MODEL):
+            raise ValueError("--model is for the in-process runner; upstream mode serves the "
+                             "models of --model-dir (repeat it as ID=DIR for several)")
+        pools = settings.upstream_pools  # (raises on a URL that names no directory)
+        if len({pool.model_id for pool in pools}) != len(pools):
+            raise ValueError("invalid value for setting 'model_dir': two models with one id")
     for name, ok in checks.items():
         if not ok:
             raise ValueError(f"invalid value for setting '{name}': {getattr(settings, name)!r}")
