@@ -347,6 +347,38 @@ async def test_a_live_lease_holds_its_namespace_whatever_the_grace() -> None:
     await store.aclose()
 
 
+class _Unlocked:
+    """The same Redis store without its locks (the control: a store the registry cannot
+    lock, as the registry was before #21's follow-up)."""
+
+    def __init__(self, store: Backend) -> None:
+        self.get, self.set, self.delete = store.get, store.set, store.delete
+
+
+async def test_replicas_renewing_at_once_on_redis_lose_no_lease(
+    start_redis: StartServer,
+) -> None:
+    """Every registry change is a read-modify-write: under the store's lock, 16 replicas
+    (each with its own connection, as other processes) renewing at the same moment all keep
+    their lease; the control, the same record on the same Redis without the lock, loses
+    some."""
+    url = f"{start_redis().url}/0"
+    stores = [open_backend(url) for _ in range(16)]
+    try:
+        async def renew_all(registries: list[Registry]) -> int:
+            await stores[0].delete(REGISTRY_KEY)
+            await asyncio.gather(*(r.observe(FINGERPRINT_A, replica=f"r{i}", lease_ttl=30)
+                                   for i, r in enumerate(registries)))
+            return len((await Registry(stores[0]).load())[FINGERPRINT_A.digest].leases)
+
+        assert await renew_all([Registry(s) for s in stores]) == 16
+        unlocked = [Registry(_Unlocked(s)) for s in stores]  # type: ignore[arg-type]
+        assert await renew_all(unlocked) < 16
+    finally:
+        for store in stores:
+            await store.aclose()
+
+
 async def test_an_unreadable_registry_does_not_stop_a_release_or_a_newer_records_fields(
 ) -> None:
     store = open_backend("memory://")

@@ -11,20 +11,31 @@ and another namespace of the model id is superseded when it has no live lease an
 for the grace period. So during a rolling upgrade both versions serve their own namespace
 and neither purges the other; the old one goes once its last replica has been gone for the
 grace period.
+
+Every change is a read-modify-write of one record; on a store with locks (Redis, tiered)
+it is made under the store's lock on the record, so two replicas renewing at once never
+lose one another's lease or supersession.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from backends.base import Backend, NamespaceStats
+from backends.base import Backend, BackendError, DistributedLock, NamespaceStats
 from cacheproxy.keys import codec
 from cacheproxy.keys.fingerprint import Fingerprint
+from cacheproxy.service.fleet import lock_name
 
 REGISTRY_KEY = "_registry"  # not a namespace: namespaces are 32 hex digits
+REGISTRY_LOCK_TTL = 5.0  # far longer than one read-modify-write; a dead holder's lapses
+_LOCAL: weakref.WeakKeyDictionary[Backend, asyncio.Lock] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +78,34 @@ async def cache_entries(store: Backend, keys: int) -> int:
 
 
 class Registry:
-    """Read and update the registry record; every change is one read-modify-write."""
+    """Read and update the registry record; every change is one read-modify-write, under
+    the store's lock where it has one."""
 
     def __init__(self, store: Backend, *, clock: Callable[[], float] = time.time) -> None:
         self._store = store
         self._clock = clock
+
+    @asynccontextmanager
+    async def _exclusive(self) -> AsyncIterator[None]:
+        """Hold the store's lock on the record for one read-modify-write (a store without
+        locks is one process's, or a disk store whose writers are few and far between)."""
+        store = self._store
+        # The models of one process (one invalidator each) share the store: one at a time.
+        async with _LOCAL.setdefault(store, asyncio.Lock()):
+            if not isinstance(store, DistributedLock):
+                yield
+                return
+            name, owner = lock_name(REGISTRY_KEY), os.urandom(8).hex()
+            deadline = time.monotonic() + 2 * REGISTRY_LOCK_TTL
+            while not await store.try_lock(name, owner, REGISTRY_LOCK_TTL):
+                if time.monotonic() > deadline:
+                    raise BackendError("the namespace registry stayed locked "
+                                       f"for {2 * REGISTRY_LOCK_TTL:.0f} s")
+                await asyncio.sleep(0.01)
+            try:
+                yield
+            finally:
+                await store.unlock(name, owner)
 
     async def load(self) -> dict[str, Namespace]:
         """Every registered namespace by digest (a missing or unreadable registry is empty)."""
@@ -99,6 +133,11 @@ class Registry:
 
         Without a replica (the CLI, a test) and a grace, the other namespaces nobody holds a
         lease on are superseded at once."""
+        async with self._exclusive():
+            return await self._observe(current, replica, lease_ttl, grace)
+
+    async def _observe(self, current: Fingerprint, replica: str, lease_ttl: float,
+                       grace: float) -> list[str]:
         now = self._clock()
         try:
             namespaces = await self.load()
@@ -135,14 +174,16 @@ class Registry:
     async def release(self, digest: str, replica: str, *, replaced: bool = False) -> None:
         """Drop `replica`'s lease on `digest`: it stops serving (the grace period starts), or
         its files were `replaced` (no grace: only other replicas' live leases keep it)."""
-        namespaces = await self.load()
-        ns = namespaces.get(digest)
-        if ns is None or replica not in ns.leases:
-            return
-        now = self._clock()
-        leases = {r: t for r, t in ns.leases.items() if r != replica}
-        namespaces[digest] = replace(ns, leases=leases, served_until=0.0 if replaced else now)
-        await self.save(namespaces)
+        async with self._exclusive():
+            namespaces = await self.load()
+            ns = namespaces.get(digest)
+            if ns is None or replica not in ns.leases:
+                return
+            now = self._clock()
+            leases = {r: t for r, t in ns.leases.items() if r != replica}
+            namespaces[digest] = replace(ns, leases=leases,
+                                         served_until=0.0 if replaced else now)
+            await self.save(namespaces)
 
     async def report(self) -> list[NamespaceReport]:
         """Every namespace with its entry count and bytes, newest first."""
@@ -157,7 +198,8 @@ class Registry:
 
     async def forget(self, digests: list[str]) -> None:
         """Drop registry entries (after their namespaces were purged by hand)."""
-        namespaces = await self.load()
-        for digest in digests:
-            namespaces.pop(digest, None)
-        await self.save(namespaces)
+        async with self._exclusive():
+            namespaces = await self.load()
+            for digest in digests:
+                namespaces.pop(digest, None)
+            await self.save(namespaces)
