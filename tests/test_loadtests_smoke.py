@@ -38,6 +38,19 @@ def test_smoke(name: str, tmp_path: Path) -> None:
     assert (tmp_path / f"{name}.json").exists()
 
 
+def test_rolling_upgrade_smoke(tmp_path: Path) -> None:
+    """Two `serve` processes of two engine versions on one Redis (#21): HITs side by side,
+    neither namespace purged, the old one gone a grace period after its replica stopped."""
+    done = subprocess.run([sys.executable, str(LOADTESTS / "rolling_upgrade.py"), "--smoke",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    result = json.loads((tmp_path / "rolling_upgrade.json").read_text())
+    assert result["ok"] and result["both_live"] and result["failures"] == 0
+    assert result["gone_after_s"] >= 2.0 and result["new_not_hits"] == 0
+    assert [row[0] for row in result["rows"]] == ["old", "new"]
+    assert all(row[3] > 0 and row[4] == 0 and row[5] == 0 for row in result["rows"])
+
+
 def test_bench_structured_smoke(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(LOADTESTS / "bench_structured.py"), "--smoke",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
