@@ -61,7 +61,14 @@ async def test_status_page_renders_the_numbers_of_the_metrics(
     assert shown("saved-tokens") == str(int(m[("cacheproxy_saved_tokens_total", ())]))
     async with aiohttp.ClientSession() as session, \
             session.get(proxy.url + "/health") as resp:
-        assert shown("fingerprint") == (await resp.json())["fingerprint"]
+        health = await resp.json()
+    assert shown("fingerprint") == health["fingerprint"]
+    rows = re.search(r'id="models">(.*?)</tbody>', dom, re.S)
+    assert rows, "no models table"
+    cells = re.findall(r"<td>([^<]*)</td>", rows.group(1))
+    (model,) = health["models"]  # one row per served model (#21)
+    assert cells == [model["id"], model["fingerprint"], "idle, 0 queued",
+                     str(model["generations"]), "0"]
 
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "status-page.png"

@@ -104,6 +104,8 @@ PAGE = """<!doctype html>
 <p>fingerprint <code id="fingerprint">-</code> &middot; lane <span id="lane">-</span>
  &middot; generations <span id="generations">-</span>
  &middot; prefill <span id="prefill">-</span></p>
+<table><thead><tr><th>model</th><th>fingerprint</th><th>lane</th><th>generations</th>
+<th>reloads</th></tr></thead><tbody id="models"></tbody></table>
 <table><thead><tr><th>minute</th><th>HIT</th><th>MISS</th><th>COALESCED</th><th>BYPASS</th>
 </tr></thead><tbody id="minutes"></tbody></table>
 <script>
@@ -137,6 +139,15 @@ async function refresh() {
     .toISOString().slice(11, 16)}</td><td>${m.HIT || 0}</td><td>${m.MISS || 0}</td>
     <td>${m.COALESCED || 0}</td><td>${m.BYPASS || 0}</td></tr>`);
   document.getElementById("minutes").innerHTML = rows.join("");
+  const cell = text => { const td = document.createElement("td"); td.textContent = text;
+    return td; };
+  document.getElementById("models").replaceChildren(...s.models.map(m => {
+    const tr = document.createElement("tr");
+    tr.append(cell(m.id), cell(m.fingerprint),
+      cell(`${m.lane.busy ? "busy" : "idle"}, ${m.lane.queued} queued`),
+      cell(m.generations), cell(m.counters.reloads));
+    return tr;
+  }));
   document.body.dataset.loaded = "1";
 }
 refresh(); setInterval(refresh, 2000);
