@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -55,6 +56,22 @@ class Scan(Protocol):
 
     async def scan(self, prefix: str, *, after: str = "", limit: int = 1000) -> list[str]:
         """Keys starting with prefix and greater than after, sorted, at most limit."""
+
+
+@runtime_checkable
+class ScanPages(Protocol):
+    """Optional capability: list keys by prefix a page at a time from a cursor, in no order
+    (a store whose listing order is not the key order: Redis's SCAN). backends/listing.py
+    lists any store, of this kind or of Scan's."""
+
+    async def scan_page(self, prefix: str, *, cursor: str = "",
+                        limit: int = 1000) -> tuple[list[str], str]:
+        """About limit keys starting with prefix (fewer, even none, when they are sparse),
+        from where cursor left off ("" = the start), and the cursor of the next page ("" at
+        the end). A key present all along comes at least once; a key may come twice."""
+
+    async def random_cursor(self, prefix: str, rng: random.Random) -> str:
+        """A cursor at a random point of the listing (a sample reads pages from there)."""
 
 
 @runtime_checkable

@@ -1,7 +1,8 @@
 """Redis (or Valkey) store on redis.asyncio: one server, or a Redis Cluster.
 
-open_redis (backends/redis_url.py) opens one from a URL; purge, scan and stats, which visit
-every primary, are in backends/redis_keyspace.py. Expiry is the server's own (SET ... PX).
+open_redis (backends/redis_url.py) opens one from a URL; purge, key listing (scan_page) and
+stats, which visit every primary, are in backends/redis_keyspace.py. Expiry is the server's
+own (SET ... PX).
 
 GETs of a single server (redis://, rediss://, unix://) are pipelined on one connection of
 their own (backends/resp.py; over TLS with the SSL context redis-py builds from the same URL):
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import random
 from collections.abc import Callable
 from types import TracebackType
 
@@ -202,10 +204,17 @@ class RedisBackend:
         async with self._guard:
             return await redis_keyspace.purge_namespace(self._client, namespace)
 
-    async def scan(self, prefix: str, *, after: str = "", limit: int = 1000) -> list[str]:
-        """Keys starting with prefix and greater than after, sorted, at most limit."""
+    async def scan_page(self, prefix: str, *, cursor: str = "",
+                        limit: int = 1000) -> tuple[list[str], str]:
+        """About limit keys starting with prefix, from a SCAN cursor; the next cursor."""
         async with self._guard:
-            return await redis_keyspace.scan(self._client, prefix, after=after, limit=limit)
+            return await redis_keyspace.scan_page(self._client, prefix, cursor=cursor,
+                                                  limit=limit)
+
+    async def random_cursor(self, prefix: str, rng: random.Random) -> str:
+        """A SCAN cursor at a random point of the keyspace."""
+        async with self._guard:
+            return redis_keyspace.random_cursor(self._client, rng)
 
     async def namespace_stats(self, namespace: str) -> tuple[int, int]:
         """(entries, key + value bytes) of one namespace, by SCAN and pipelined STRLEN."""

@@ -10,16 +10,18 @@ into BackendError. Evictions are the server's maxmemory policy, so the store's m
 
 from __future__ import annotations
 
+import random
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from backends.base import PURGE_BATCH, StoreStatsResult
+from backends.base import PURGE_BATCH, BackendError, StoreStatsResult
 
 Client = Redis | RedisCluster
 _SCAN_COUNT = 1000
+_PAGE_SCANS = 8  # SCANs per page at most: a sparse prefix gives short pages, each bounded
 # A purge runs while the store serves: each of its commands holds Redis (one thread) for
 # every other client, so it takes small steps (SCAN COUNT 1000 + UNLINK 500 put ~1 ms
 # between a GET and its reply: p99 13x during a 1M purge, the cost curves showed).
@@ -38,12 +40,57 @@ async def purge_namespace(client: Client, namespace: str) -> int:
     return removed
 
 
-async def scan(client: Client, prefix: str, *, after: str, limit: int) -> list[str]:
-    """Keys starting with prefix and greater than after, sorted, at most limit."""
-    keys: set[str] = set()
-    async for batch in _batches(client, _glob_escape(prefix) + "*"):
-        keys.update(k.decode(errors="replace") for k in batch)
-    return sorted(k for k in keys if k > after)[:limit]
+async def scan_page(client: Client, prefix: str, *, cursor: str,
+                    limit: int) -> tuple[list[str], str]:
+    """One page of the keys starting with prefix, from a SCAN cursor: O(page), where sorting
+    the prefix for every page cost the whole prefix each time. A cluster's cursor names the
+    primary it is on ("host:port/position"); the primaries are visited in name order."""
+    pattern = _glob_escape(prefix) + "*"
+    if isinstance(client, RedisCluster):
+        return await _cluster_page(client, pattern, cursor, limit)
+    keys: list[bytes | str] = []
+    position = int(cursor or 0)
+    for _ in range(_PAGE_SCANS):
+        position, batch = await client.scan(position, match=pattern, count=limit)
+        keys += batch
+        if position == 0 or len(keys) >= limit:
+            break
+    return _decoded(keys), str(position) if position else ""
+
+
+async def _cluster_page(client: RedisCluster, pattern: str, cursor: str,
+                        limit: int) -> tuple[list[str], str]:
+    primaries = sorted(client.get_primaries(), key=lambda node: node.name)
+    names = [node.name for node in primaries]
+    name, _, at = cursor.rpartition("/")
+    if cursor and name not in names:
+        raise BackendError(f"the cluster's primaries changed while listing ({name} is gone)")
+    index, position = (names.index(name), int(at)) if cursor else (0, 0)
+    keys: list[bytes | str] = []
+    for _ in range(_PAGE_SCANS):
+        reply = await client.scan(position, match=pattern, count=limit,
+                                  target_nodes=primaries[index])
+        positions, batch = cast(tuple[dict[str, int], list[bytes | str]], reply)  # per node
+        keys += batch
+        position = int(positions[names[index]])
+        index += position == 0
+        if index == len(names) or len(keys) >= limit:
+            break
+    return _decoded(keys), f"{names[index]}/{position}" if index < len(names) else ""
+
+
+def random_cursor(client: Client, rng: random.Random) -> str:
+    """A SCAN cursor at a random point: the server masks any number to a position in its
+    hash table (SCAN's guarantees hold from cursor 0 only: good enough for a sample)."""
+    position = rng.getrandbits(48)
+    if not isinstance(client, RedisCluster):
+        return str(position)
+    names = sorted(node.name for node in client.get_primaries())
+    return f"{rng.choice(names)}/{position}"
+
+
+def _decoded(keys: list[bytes | str]) -> list[str]:
+    return [k.decode(errors="replace") if isinstance(k, bytes) else k for k in keys]
 
 
 async def namespace_stats(client: Client, namespace: str) -> tuple[int, int]:

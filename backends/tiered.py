@@ -10,7 +10,7 @@ before L2 is opened:
 l1_max_bytes bounds L1 (default 64 MiB); l1_ttl (seconds, default 60) bounds how long L1
 keeps any entry. Reads go L1, then L2 (filling L1 for at most l1_ttl and the entry's life
 left in L2); writes go to L2 and drop the L1 copy (copied into L1 too where L2 cannot track,
-below); deletes and purges go to both; scan and the stats are L2's.
+below); deletes and purges go to both; key listing and the stats are L2's.
 
 Coherence: over Redis (tiered+redis://, +rediss://, +unix://, +redis+cluster://) L1 holds
 only values read while the server tracks them (RESP3 CLIENT TRACKING, Redis 6+,
@@ -44,10 +44,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 from collections.abc import Callable
 from typing import cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from backends import listing
 from backends.base import (
     Backend,
     BackendError,
@@ -208,6 +210,15 @@ class TieredBackend:
         if not isinstance(self._l2, Scan):
             raise _lacks(self._l2, Scan)
         return await self._l2.scan(prefix, after=after, limit=limit)
+
+    async def scan_page(self, prefix: str, *, cursor: str = "",
+                        limit: int = 1000) -> tuple[list[str], str]:
+        """A page of L2's keys, however L2 lists them."""
+        return await listing.page(self._l2, prefix, cursor=cursor, limit=limit)
+
+    async def random_cursor(self, prefix: str, rng: random.Random) -> str:
+        """A random point of L2's listing."""
+        return await listing.random_cursor(self._l2, prefix, rng)
 
     async def namespace_stats(self, namespace: str) -> tuple[int, int]:
         """L2's size of one namespace."""

@@ -22,7 +22,8 @@ At each size:
 - the store's size per entry: Redis INFO used_memory (`stats()`) above the empty server's,
   the disk directory's allocated bytes (du: database, WAL and shm files), and the stored key +
   value bytes per entry for reference;
-- one page of `scan()` (1000 keys of the namespace): what `cacheproxy verify` lists keys with;
+- listing the namespace's keys (backends/listing.py, as `cacheproxy verify` and `export` do):
+  one 1000-key page, the whole namespace, and what `verify --sample 100` reads;
 - disk only: a get() right after another connection to the same database (another process:
   `cacheproxy purge`, a second replica) committed one write.
 
@@ -99,7 +100,8 @@ PURGE_TARGET = 2.0  # hit p99 during a purge / without one
 FILL_IN_FLIGHT = 16
 MAX_TOKENS = 48
 DISK_MAX_BYTES = 1 << 36  # far above what the run stores: nothing is evicted
-PAGE = 1000  # keys per scan() page, as verify asks
+PAGE = 1000  # keys per listing page, as verify asks
+SAMPLE = 100  # keys of `verify --sample`
 SLOW_GET_US = 10_000  # a GET this slow during a purge counts as a stall
 
 
@@ -296,13 +298,29 @@ def disk_bytes(directory: Path) -> tuple[int, int]:
     return allocated, apparent
 
 
-async def scan_page_ms(store: Any, namespace: str) -> float:
-    """One scan() page of the namespace, as `cacheproxy verify` lists keys (the first)."""
-    started = time.perf_counter()
-    page = await store.scan(namespace + "/", after="", limit=PAGE)
-    if not page:
-        raise BenchError("scan() found no keys of the namespace")
-    return (time.perf_counter() - started) * 1000
+async def listing_costs(store: Any, namespace: str, n: int, rng: random.Random
+                        ) -> dict[str, float]:
+    """ms of one page of the namespace's keys (backends/listing.py, as `cacheproxy verify`
+    and `export` list them), of the whole listing, and of the listing `verify --sample
+    SAMPLE` reads."""
+    from backends import listing
+
+    prefix = namespace + "/"
+    clock = time.perf_counter
+    started = clock()
+    page, _ = await listing.page(store, prefix, limit=PAGE)
+    page_ms = (clock() - started) * 1000
+    started = clock()
+    everything = await listing.keys(store, prefix)
+    all_s = clock() - started
+    started = clock()
+    sample = await listing.sample(store, prefix, SAMPLE, rng)
+    sample_ms = (clock() - started) * 1000
+    if not page or len(everything) != n or len(sample) != min(SAMPLE, n):
+        raise BenchError(f"listing found {len(page)} keys in a page, {len(everything)} in all "
+                         f"and {len(sample)} in a sample of {SAMPLE}, of {n}")
+    return {"scan_page_ms": round(page_ms, 2), "list_all_s": round(all_s, 3),
+            "sample_list_ms": round(sample_ms, 2)}
 
 
 # -- the hit path over HTTP -------------------------------------------------------------------
@@ -363,7 +381,7 @@ async def run_store(name: str, url: str, ref_url: str, disk_dir: Path | None,
                     args: argparse.Namespace, procs: Procs, work: Path) -> StoreRun:
     """The size sweep and the purges on one store. ref_url is a second store of the same
     kind, holding the smallest size throughout: each point's GETs take turns with its GETs."""
-    from backends.base import NamespacePurge, Scan, StoreStats
+    from backends.base import NamespacePurge, Scan, ScanPages, StoreStats
     from cacheproxy.service.cassette import open_store
 
     result = StoreRun(name, url)
@@ -372,7 +390,7 @@ async def run_store(name: str, url: str, ref_url: str, disk_dir: Path | None,
     keys, values = main_entries
     store = await open_store(url)
     if not (isinstance(store, StoreStats) and isinstance(store, NamespacePurge)
-            and isinstance(store, Scan)):
+            and isinstance(store, Scan | ScanPages)):
         raise BenchError(f"{store!r} lacks stats, purge or scan")
     ref = await open_store(ref_url)
     try:
@@ -405,7 +423,7 @@ async def run_store(name: str, url: str, ref_url: str, disk_dir: Path | None,
                 raise BenchError(f"{name} holds {stats.entries} entries, expected >= {n}")
             hits, ref_hits = await hit_latencies([(store, keys[:n]), (ref, ref_keys)],
                                                  args.rounds, args.samples, rng)
-            page = await scan_page_ms(store, digest)
+            listed = await listing_costs(store, digest, n, rng)
             logical = stats.bytes if name == "disk" else sum(
                 len(k) + len(v) for k, v in zip(keys[:n], values[:n], strict=True))
             row: dict[str, Any] = {
@@ -413,7 +431,7 @@ async def run_store(name: str, url: str, ref_url: str, disk_dir: Path | None,
                 "get_us": hits.as_dict(), "ref_get_us": ref_hits.as_dict(),
                 "p99_vs_ref": round(hits.p99 / ref_hits.p99, 2),
                 "p50_vs_ref": round(hits.p50 / ref_hits.p50, 2),
-                "scan_page_ms": round(page, 2),
+                **listed,
                 "stored_bytes_per_entry": round(logical / n, 1), "load": load_line(),
             }
             if name == "redis":
@@ -760,11 +778,14 @@ def markdown(result: dict[str, Any]) -> str:
                 else "error",
                 f"{row['bytes_per_entry']:.0f}", f"{row['stored_bytes_per_entry']:.0f}",
                 f"{row['scan_page_ms']:.1f}",
+                f"{row['list_all_s']:.2f}" if "list_all_s" in row else "-",
+                f"{row['sample_list_ms']:.1f}" if "sample_list_ms" in row else "-",
                 " ".join(f"{x:.1f}" for x in foreign) if foreign else "-"])
     out = [table(["store", "entries", "fill entries/s", "store GET p50 / p99 µs",
                   "round p99s µs", f"{label(result['sizes'][0])} store alongside p50 / p99 µs",
                   "p99 / alongside", "HTTP HIT p50 / p99 ms", "bytes/entry (Redis used_memory, "
-                  "disk du)", "key+value B/entry", "scan page ms",
+                  "disk du)", "key+value B/entry", "listing: a page ms", "all keys s",
+                  f"`verify --sample {SAMPLE}`'s pages ms",
                   "GET after another connection's write ms"], rows, "ll")]
     skipped = [f"{name}: {label(s['entries'])} not filled (projected {s['projected_fill_s']} s "
                f"at {s['rate_per_s']}/s, budget {s['fill_budget_s']} s)"

@@ -7,6 +7,7 @@ Redis). A test marked @needs(...) runs only on the kinds with those capabilities
   max_bytes    the URL's max_bytes bounds the store and stats() reports it
   lru          eviction is exact LRU on max_bytes (Redis evicts approximately, by maxmemory)
   peek         values held in process memory are read without I/O (memory, tiered's L1)
+  ordered      scan() lists keys in key order (Redis lists them from a SCAN cursor)
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import sqlite3
 import subprocess
 import time
@@ -36,9 +38,10 @@ from backends import (
     StoreStatsResult,
     TieredBackend,
     default_disk_url,
+    listing,
     open_backend,
 )
-from backends.base import PURGE_BATCH, NamespaceStats, Peek, Scan
+from backends.base import PURGE_BATCH, NamespaceStats, Peek, Scan, ScanPages
 from backends.disk import DB_FILENAME, TOUCH_FLUSH_EVERY
 from tests.conftest import eventually
 
@@ -77,7 +80,7 @@ class Kind:
         return 1.0 if "clock" in self.capabilities else 0.1
 
 
-_LOCAL = frozenset({"clock", "exact_bytes", "max_bytes", "lru"})
+_LOCAL = frozenset({"clock", "exact_bytes", "max_bytes", "lru", "ordered"})
 KINDS = [
     Kind("memory", _LOCAL | {"peek"}),
     Kind("disk", _LOCAL),
@@ -187,7 +190,7 @@ class TestBackendContract:
         assert isinstance(store, Backend)
         assert isinstance(store, NamespacePurge)
         assert isinstance(store, StoreStats)
-        assert isinstance(store, Scan)
+        assert isinstance(store, Scan | ScanPages)
         assert isinstance(store, NamespaceStats)
 
     async def test_peek_is_offered_where_values_are_held_in_process(
@@ -360,8 +363,7 @@ class TestBackendContract:
         assert await store.purge_namespace("a?") == 1
         assert await store.purge_namespace("a[b]") == 1
         assert await store.purge_namespace("a\\") == 1
-        assert isinstance(store, Scan)
-        assert await store.scan("a") == sorted(["ab/1", "ab]/1", "a\\x/1"])
+        assert await listing.keys(store, "a") == sorted(["ab/1", "ab]/1", "a\\x/1"])
 
     async def test_purge_of_a_large_namespace_runs_in_batches(
         self, kind: Kind, store: Backend
@@ -373,6 +375,7 @@ class TestBackendContract:
         assert await store.purge_namespace("big") == PURGE_BATCH * 2 + 7
         await assert_holds(kind, store, 1, len("keep/1") + 1)
 
+    @needs("ordered")
     async def test_scan_pages_through_a_prefix_in_key_order(self, store: Backend) -> None:
         for key in ("n/3", "n/1", "n/2", "m/1", "n0", "o/1"):
             await store.set(key, b"v")
@@ -381,6 +384,46 @@ class TestBackendContract:
         assert await store.scan("n/", limit=2) == ["n/1", "n/2"]
         assert await store.scan("n/", after="n/2") == ["n/3"]
         assert await store.scan("", limit=100) == sorted(["n/3", "n/1", "n/2", "m/1", "n0", "o/1"])
+
+    async def test_listing_gives_every_key_of_a_prefix_in_pages_of_about_the_limit(
+        self, store: Backend
+    ) -> None:
+        wanted = {f"n/{i:04d}" for i in range(250)}
+        for key in [*wanted, "m/1", "n0", "o/1"]:
+            await store.set(key, b"v")
+        got: list[str] = []
+        sizes = []
+        async for chunk in listing.pages(store, "n/", limit=40):
+            got += chunk
+            sizes.append(len(chunk))
+        assert set(got) == wanted  # (SCAN may list a key twice: pages, not a set)
+        assert len(sizes) >= 250 // 80 and max(sizes) <= 80  # COUNT is a hint: about 40
+        assert await listing.keys(store, "n/") == sorted(wanted)
+        assert await listing.keys(store, "") == sorted([*wanted, "m/1", "n0", "o/1"])
+        assert await listing.keys(store, "zz/") == []
+
+    async def test_a_sample_lists_only_the_pages_it_needs(self, store: Backend) -> None:
+        names = [f"s/{i * (2**128 // 1000):032x}" for i in range(1000)]  # spread, as hashes are
+        for key in [*names, "t/1"]:
+            await store.set(key, b"v")
+        listed = 0
+        real_page = listing.page
+
+        async def counted(*args: object, **kwargs: object) -> tuple[list[str], str]:
+            nonlocal listed
+            keys, cursor = await real_page(*args, **kwargs)  # type: ignore[arg-type]
+            listed += len(keys)
+            return keys, cursor
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(listing, "page", counted)
+            picks = [await listing.sample(store, "s/", 20, random.Random(seed))
+                     for seed in range(3)]
+            assert listed < 3 * 500  # a few pages of 100 each, not the 1000 keys
+            everything = await listing.sample(store, "s/", 2000, random.Random(0))
+        assert all(len(p) == 20 == len(set(p)) and set(p) <= set(names) for p in picks)
+        assert len({tuple(p) for p in picks}) == 3  # from a random point each time
+        assert everything == sorted(names)  # fewer than asked: all of them, once each
 
     async def test_namespace_stats_counts_one_namespace(self, store: Backend) -> None:
         for key, value in (("n/1", b"ab"), ("n/2", b"abc"), ("m/1", b"x")):

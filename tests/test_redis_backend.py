@@ -13,7 +13,8 @@ import time
 import pytest
 import redis
 
-from backends import BackendError, RedisBackend, open_backend
+from backends import BackendError, RedisBackend, listing, open_backend
+from backends.redis_keyspace import _PAGE_SCANS
 from tests.conftest_redis import StartServer
 from tests.redis_servers import RedisClusterNodes, RedisServer, TlsServer, free_port
 
@@ -245,6 +246,61 @@ class TestLoad:
             await store.aclose()
 
 
+def _scans(request: pytest.FixtureRequest) -> int:
+    """SCAN commands the servers have run so far."""
+    stats = [info(server, "commandstats") for server in _servers(request)]
+    return sum(int(s.get("cmdstat_scan", {"calls": 0})["calls"]) for s in stats)  # type: ignore[index]
+
+
+@pytest.mark.asyncio
+class TestListing:
+    async def test_a_page_costs_a_page_however_many_keys_there_are(
+        self, shared_store_url: str, request: pytest.FixtureRequest
+    ) -> None:
+        store = open_redis(shared_store_url)
+        keys = {f"ns/{i:06d}" for i in range(20_000)}
+        try:
+            for chunk in range(0, len(keys), 2000):
+                await asyncio.gather(*(store.set(k, b"v") for k in sorted(keys)[chunk:][:2000]))
+            before = _scans(request)
+            page, cursor = await store.scan_page("ns/", limit=1000)
+            # The old listing SCANned all 20k keys (20+ SCANs of 1000) and sorted them.
+            assert _scans(request) - before <= _PAGE_SCANS
+            assert 1000 <= len(page) < 2000 and cursor  # COUNT is a hint: about a page
+            seen = set(page)
+            while cursor:
+                page, cursor = await store.scan_page("ns/", cursor=cursor, limit=1000)
+                seen.update(page)
+            assert seen == keys
+        finally:
+            await store.aclose()
+
+    async def test_a_sparse_prefix_gives_short_pages_each_bounded(
+        self, shared_store_url: str, request: pytest.FixtureRequest
+    ) -> None:
+        store = open_redis(shared_store_url)
+        try:
+            await asyncio.gather(*(store.set(f"other/{i}", b"v") for i in range(3000)))
+            await asyncio.gather(*(store.set(f"few/{i}", b"v") for i in range(3)))
+            before = _scans(request)
+            page, cursor = await store.scan_page("few/", limit=10)
+            assert _scans(request) - before <= _PAGE_SCANS and cursor  # not the whole keyspace
+            assert await listing.keys(store, "few/") == ["few/0", "few/1", "few/2"]
+        finally:
+            await store.aclose()
+
+    async def test_a_cursor_on_a_primary_that_is_gone_is_an_error(
+        self, redis_cluster_url: str
+    ) -> None:
+        store = open_redis(redis_cluster_url)
+        try:
+            await store.set("k/1", b"v")
+            with pytest.raises(BackendError, match="primaries changed"):
+                await store.scan_page("k/", cursor=f"127.0.0.1:{free_port()}/5")
+        finally:
+            await store.aclose()
+
+
 def _servers(request: pytest.FixtureRequest) -> list[RedisServer]:
     if request.node.callspec.params["shared_store_url"] == "redis":
         server: RedisServer = request.getfixturevalue("redis_server")
@@ -269,7 +325,7 @@ class TestCluster:
             assert await store.purge_namespace("old") == 300
             assert [_count(server, "old/*") for server in redis_cluster.servers] == [0, 0, 0]
             assert sum(_count(server, "new/*") for server in redis_cluster.servers) == 30
-            assert await store.scan("") == sorted(f"new/{i}" for i in range(30))
+            assert await listing.keys(store, "") == sorted(f"new/{i}" for i in range(30))
         finally:
             await store.aclose()
 

@@ -8,7 +8,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from backends.base import Backend, NamespacePurge, Scan, StoreStats
+from backends import listing
+from backends.base import Backend, NamespacePurge, StoreStats
 from cacheproxy.keys import codec
 from cacheproxy.service.cassette import open_store
 from cacheproxy.service.namespaces import REGISTRY_KEY, Registry, cache_entries
@@ -137,10 +138,8 @@ async def _purge(store: Backend, superseded: bool, namespace: str | None, key: s
 
 
 async def _delete_all(store: Backend) -> int:
-    if not isinstance(store, Scan):
-        raise ValueError("this store cannot list its keys")
     removed = 0
-    while keys := await store.scan("", limit=1000):
+    async for keys in listing.pages(store, ""):  # (a key listed twice is deleted once)
         for k in keys:
             removed += int(await store.delete(k) and k != REGISTRY_KEY)
     return removed

@@ -15,7 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
-from backends.base import Backend, Scan
+from backends import listing
+from backends.base import Backend
 from cacheproxy.keys import codec, transcript
 from cacheproxy.keys.canonical import CanonicalRequest
 from cacheproxy.keys.fingerprint import Fingerprint
@@ -25,12 +26,7 @@ from cacheproxy.service.namespaces import REGISTRY_KEY, Namespace, Registry
 
 
 async def _keys(store: Backend, prefix: str) -> list[str]:
-    if not isinstance(store, Scan):
-        raise ValueError("this store cannot list its keys")
-    keys: list[str] = []
-    while page := await store.scan(prefix, after=keys[-1] if keys else ""):
-        keys.extend(page)
-    return [k for k in keys if k != REGISTRY_KEY]
+    return [k for k in await listing.keys(store, prefix) if k != REGISTRY_KEY]
 
 
 async def export(url: str, *, namespace: str | None, model: str | None, out: BinaryIO) -> int:
@@ -46,7 +42,7 @@ async def export(url: str, *, namespace: str | None, model: str | None, out: Bin
             prefixes = [""]
         written = 0
         for prefix in prefixes:
-            for key in sorted(await _keys(store, prefix)):
+            for key in await _keys(store, prefix):  # sorted
                 data = await store.get(key)
                 if data is None:
                     continue  # expired or purged meanwhile

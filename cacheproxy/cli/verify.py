@@ -14,7 +14,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import TextIO
 
-from backends.base import Backend, Scan
+from backends import listing
+from backends.base import Backend
 from cacheproxy.keys import codec
 from cacheproxy.keys.canonical import CanonicalRequest
 from cacheproxy.runners.base import Runner
@@ -56,15 +57,6 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-async def _keys(store: Backend, namespace: str) -> list[str]:
-    if not isinstance(store, Scan):
-        raise ValueError("this store cannot list its keys")
-    keys: list[str] = []
-    while page := await store.scan(namespace + "/", after=keys[-1] if keys else ""):
-        keys.extend(page)
-    return keys
-
-
 def compare(key: str, stored: codec.Output, replayed: codec.Output) -> Mismatch | None:
     """Tokens, text, reasoning, tool calls, finish reason and (when stored) logprobs must
     all be identical."""
@@ -104,9 +96,10 @@ async def verify(
     store = await open_store(url, replay=True)  # read only
     report = Report(current, target)
     try:
-        keys = await _keys(store, target)
-        if sample is not None and sample < len(keys):
-            keys = sorted(random.sample(keys, sample))
+        # A sample lists only the pages it takes its keys from (at 1M entries, listing
+        # them all costs ~1000 pages).
+        keys = await listing.keys(store, target + "/") if sample is None else \
+            await listing.sample(store, target + "/", sample, random.Random())
         from tqdm import tqdm
 
         for key in tqdm(keys, desc="verify", unit="entry", disable=not progress):
