@@ -10,10 +10,11 @@ largest multiple of the step its prefill reached, and a later miss with that pre
 there. Nothing else is ever reused: not a state cut between two multiples, not one
 computed in other chunks, never one that decoding wrote (one token at a time).
 
-A saved state also serves any shorter aligned prefix of itself: its first j chunks are
-exactly the state after j chunks, laid out again as the cold prefill lays them out.
-Entries are bounded by bytes (least recently used first out) and belong to one loaded
-model: a reload starts an empty store.
+The saved states share their chunks: each chunk's keys and values are kept once, under
+the chain hash of it and every chunk before it, so N conversations that open with one long
+system prompt hold its chunks once, and a state is any path of chunks from the first. The
+store is bounded by bytes; the least recently used chunk that no other extends goes first.
+Chunks belong to one loaded model: a reload starts an empty store.
 """
 
 from __future__ import annotations
@@ -27,14 +28,15 @@ from typing import Any
 import xxhash
 
 
-@dataclass(frozen=True, slots=True)
-class Saved:
-    """One saved state: each layer's keys and values as the cold prefill left them."""
+@dataclass(slots=True)
+class Chunk:
+    """One chunk of a saved state: each layer's keys and values for its `step` tokens."""
 
-    ids: tuple[int, ...]  # the prompt tokens it holds (checked, so no hash can collide)
-    chain: tuple[bytes, ...]  # the chain hash after each of its chunks
+    parent: bytes  # the chain hash of the chunks before it (b"" for the first)
+    ids: bytes  # its tokens, as int64 (checked, so no hash collision is ever reused)
     layers: tuple[tuple[Any, Any], ...]
-    nbytes: int
+    nbytes: int  # its keys, values and ids
+    children: int = 0  # stored chunks that extend it (it goes only once none does)
 
 
 def supports(cache: list[Any]) -> bool:
@@ -46,27 +48,29 @@ def supports(cache: list[Any]) -> bool:
 
 
 class PrefixStore:
-    """Saved states by the chain hash of their chunks; LRU, bounded by bytes."""
+    """Saved chunks by chain hash; bounded by bytes, least recently used leaf first out.
+
+    A chunk is touched after the chunks that extend it (a path is touched from its end to
+    its start), so a chunk is always more recent than its children and the least recent
+    chunk of all is one that nothing extends: evicting from the front never orphans one."""
 
     def __init__(self, step: int, max_bytes: int) -> None:
         self.step = step
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[bytes, Saved] = OrderedDict()  # by last hash, LRU first
-        self._index: dict[bytes, bytes] = {}  # chain hash of any chunk -> entry holding it
+        self._chunks: OrderedDict[bytes, Chunk] = OrderedDict()  # least recent first
         self.bytes = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._chunks)
 
     def clear(self) -> None:
-        """Drop every saved state (the model they came from is being replaced)."""
-        self._entries.clear()
-        self._index.clear()
+        """Drop every saved chunk (the model they came from is being replaced)."""
+        self._chunks.clear()
         self.bytes = 0
 
     def state(self) -> dict[str, int]:
-        """Entries, bytes and the bound (for /health, /status.json and /admin/stats)."""
-        return {"prefix_entries": len(self._entries), "prefix_bytes": self.bytes,
+        """Chunks, bytes and the bound (for /health, /status.json and /admin/stats)."""
+        return {"prefix_entries": len(self._chunks), "prefix_bytes": self.bytes,
                 "prefix_max_bytes": self.max_bytes, "prefix_step": self.step}
 
     def chain(self, ids: Sequence[int], length: int) -> list[bytes]:
@@ -74,74 +78,83 @@ class PrefixStore:
         hashes: list[bytes] = []
         previous = b""
         for start in range(0, length, self.step):
-            chunk = array("q", ids[start:start + self.step]).tobytes()
-            previous = xxhash.xxh3_128_digest(previous + chunk)
+            previous = xxhash.xxh3_128_digest(previous + self._tokens(ids, start))
             hashes.append(previous)
         return hashes
 
-    def longest(self, ids: Sequence[int], chain: list[bytes]) -> tuple[Saved, int] | None:
-        """The saved state holding the longest prefix of ``chain``, and that prefix's length
-        in tokens."""
-        for chunks in range(len(chain), 0, -1):
-            owner = self._index.get(chain[chunks - 1])
-            if owner is None:
-                continue
-            entry = self._entries[owner]
-            length = chunks * self.step
-            if entry.ids[:length] != tuple(ids[:length]):
-                continue  # a hash collision: never reuse what is not the same tokens
-            self._entries.move_to_end(owner)
-            return entry, length
-        return None
+    def _tokens(self, ids: Sequence[int], start: int) -> bytes:
+        return array("q", ids[start:start + self.step]).tobytes()
 
-    def put(self, ids: Sequence[int], chain: list[bytes], layers: tuple[tuple[Any, Any], ...]
-            ) -> None:
-        """Save a state of ``len(chain)`` chunks; what it extends is dropped (it holds it)."""
-        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
-        last = chain[-1]
-        if nbytes > self.max_bytes or last in self._entries:
-            return
-        for h in chain[:-1]:
-            if h in self._entries:  # a shorter state of the same tokens: this one holds it
-                self._drop(h)
-        while self._entries and self.bytes + nbytes > self.max_bytes:
-            self._drop(next(iter(self._entries)))
-        length = len(chain) * self.step
-        self._entries[last] = Saved(tuple(ids[:length]), tuple(chain), layers, nbytes)
-        self.bytes += nbytes
-        for h in chain:
-            self._index[h] = last
+    def longest(self, ids: Sequence[int], chain: list[bytes]) -> list[Chunk]:
+        """The saved chunks of the longest saved prefix of ``chain`` (marked as used)."""
+        found: list[Chunk] = []
+        parent = b""
+        for i, h in enumerate(chain):
+            chunk = self._chunks.get(h)
+            if chunk is None or chunk.parent != parent or \
+                    chunk.ids != self._tokens(ids, i * self.step):
+                break  # (a hash collision: never reuse what is not the same tokens)
+            found.append(chunk)
+            parent = h
+        self._touch(chain[:len(found)])
+        return found
 
-    def _drop(self, key: bytes) -> None:
-        entry = self._entries.pop(key)
-        self.bytes -= entry.nbytes
-        lost = {h for h in entry.chain if self._index.get(h) == key}
-        for h in lost:
-            del self._index[h]
-        # Another entry that shares some of these chunks still holds them: point to it.
-        for other_key, other in self._entries.items():
-            for h in other.chain:
-                if h in lost:
-                    self._index.setdefault(h, other_key)
+    def put(self, ids: Sequence[int], chain: list[bytes],
+            layers: Sequence[tuple[Any, Any]]) -> None:
+        """Save the chunks of ``chain`` not saved yet, cut from ``layers`` (each layer's
+        keys and values buffers, holding at least ``len(chain)`` chunks), as far as the
+        bound allows; the chunks already saved are marked as used."""
+        import mlx.core as mx
+
+        kept = len(self.longest(ids, chain))
+        path = sum(c.nbytes for c in (self._chunks[h] for h in chain[:kept]))
+        for i in range(kept, len(chain)):
+            start, end = i * self.step, (i + 1) * self.step
+            cut = tuple((mx.contiguous(k[..., start:end, :]), mx.contiguous(v[..., start:end, :]))
+                        for k, v in layers)
+            tokens = self._tokens(ids, start)
+            nbytes = sum(k.nbytes + v.nbytes for k, v in cut) + len(tokens)
+            if path + nbytes > self.max_bytes:
+                break  # the rest of this prompt does not fit, even alone
+            while self.bytes + nbytes > self.max_bytes:
+                self._evict()
+            mx.eval(cut)  # its own buffers: not views that keep the whole cache alive
+            parent = chain[i - 1] if i else b""
+            self._chunks[chain[i]] = Chunk(parent, tokens, cut, nbytes)
+            if parent:
+                self._chunks[parent].children += 1
+            self.bytes += nbytes
+            path += nbytes
+            self._touch(chain[:i + 1])
+
+    def _touch(self, path: list[bytes]) -> None:
+        for h in reversed(path):  # the end first: a chunk stays more recent than its children
+            self._chunks.move_to_end(h)
+
+    def _evict(self) -> None:
+        key, chunk = self._chunks.popitem(last=False)
+        assert chunk.children == 0, "the least recent chunk is always a leaf"
+        self.bytes -= chunk.nbytes
+        if chunk.parent in self._chunks:
+            self._chunks[chunk.parent].children -= 1
 
 
 def warm(store: PrefixStore, model: Any, cache: list[Any], ids: Sequence[int]) -> tuple[int, int]:
     """Bring ``cache`` (fresh) to the largest multiple of the step a cold prefill of ``ids``
-    passes through, from the longest saved prefix; save the state reached. Returns (tokens
-    taken from a saved state, tokens the cache now holds)."""
+    passes through, from the longest saved prefix; save the chunks reached. Returns (tokens
+    taken from saved chunks, tokens the cache now holds)."""
     step = store.step
     aligned = (len(ids) - 1) // step * step  # generate_step keeps the last token back
     if aligned <= 0:
         return 0, 0
     chain = store.chain(ids, aligned)
     found = store.longest(ids, chain)
-    reused = 0
-    if found is not None:
-        entry, reused = found
-        _restore(cache, entry, reused, step)
+    reused = len(found) * step
+    if found:
+        _restore(cache, found, step)
     prefill(model, cache, ids[reused:aligned], step)
     if aligned > reused:
-        store.put(ids, chain, tuple(_copy(c) for c in cache))
+        store.put(ids, chain, [(c.keys, c.values) for c in cache])
     return reused, aligned
 
 
@@ -176,34 +189,25 @@ def with_history(processors: list[Any], prefix: Sequence[int]) -> list[Any]:
     return [processed]
 
 
-def _copy(layer: Any) -> tuple[Any, Any]:
-    """A layer's buffers as new arrays: the cache writes into its own in place."""
+def _restore(cache: list[Any], chunks: list[Chunk], step: int) -> None:
+    """Each layer of ``cache`` at the tokens of ``chunks``, laid out as a cold prefill of
+    that many tokens lays it out (buffer size included, zeros past the end)."""
     import mlx.core as mx
 
-    return mx.array(layer.keys), mx.array(layer.values)
-
-
-def _restore(cache: list[Any], entry: Saved, length: int, step: int) -> None:
-    """Each layer of ``cache`` at ``length`` tokens of ``entry``, laid out as a cold prefill
-    of ``length`` tokens lays it out (buffer size included, zeros past the end)."""
-    import mlx.core as mx
-
+    length = len(chunks) * step
     size = cold_buffer(length, step, type(cache[0]).step)
-    for layer, (keys, values) in zip(cache, entry.layers, strict=True):
-        if length == len(entry.ids):  # the saved state itself (new arrays: see _copy)
-            layer.state = (mx.array(keys), mx.array(values), length)
-            continue
-        layer.state = (_cut(keys, length, size), _cut(values, length, size), length)
-
-
-def _cut(buffer: Any, length: int, size: int) -> Any:
-    import mlx.core as mx
-
-    kept = buffer[..., :length, :]
-    if size == length:
-        return mx.contiguous(kept)
-    shape = (*buffer.shape[:2], size - length, buffer.shape[3])
-    return mx.concatenate([kept, mx.zeros(shape, buffer.dtype)], axis=2)
+    for n, layer in enumerate(cache):
+        keys = [c.layers[n][0] for c in chunks]
+        values = [c.layers[n][1] for c in chunks]
+        if size > length:
+            pad = (*keys[0].shape[:2], size - length, keys[0].shape[3])
+            keys.append(mx.zeros(pad, keys[0].dtype))
+            values.append(mx.zeros((*pad[:3], values[0].shape[3]), values[0].dtype))
+        # Always new arrays (a concatenation, or a copy of one chunk): the cache writes into
+        # its buffers in place, and the saved chunks must stay as they are.
+        layer.state = (mx.concatenate(keys, axis=2) if len(keys) > 1 else mx.array(keys[0]),
+                       mx.concatenate(values, axis=2) if len(values) > 1 else
+                       mx.array(values[0]), length)
 
 
 def cold_buffer(length: int, step: int, grow: int) -> int:
