@@ -10,7 +10,10 @@ exact prefix reuse on and one with it off, turn by turn side by side. Both must 
 same tokens and the same logprobs at every turn (the script fails otherwise); the table
 gives each turn's prompt tokens, the tokens reused, time to first token and total miss time
 on both, and their ratio; the target is a time to first token at least 5x faster at turn 8.
-Also reported: the bytes each saved prompt token costs (keys and values of every layer).
+Also reported: the bytes each saved prompt token costs (keys and values of every layer),
+and what --users more conversations that open with the same system prompt (each with a long
+question of its own) add to the saved chunks, against what as many separate saved states
+would hold.
 Run it under OpenBLAS: that runtime is batch-variant (a reuse that is not exact shows as a
 difference) and much faster than the wheel's BLAS.
 """
@@ -72,8 +75,26 @@ async def _turn(runner: MlxRunner, messages: list[dict[str, str]], max_tokens: i
             "logprobs": logprobs, "prompt": prefill.total, "reused": prefill.reused}
 
 
+async def shared_by_users(runner: MlxRunner, system: dict[str, str], users: int,
+                          step: int, per_token: int) -> dict[str, Any]:
+    """Conversations of `users` users with one system prompt and a question of about `step`
+    tokens each: the bytes their saved chunks add, and what a saved state each would hold."""
+    rng = random.Random(1)
+    before = runner.lane_state()["prefix_bytes"]
+    prompts, reused = [], []
+    for user in range(users):
+        question = f"I am visitor {user}. " + " ".join(rng.choice(WORDS) for _ in range(step))
+        result = await _turn(runner, [system, {"role": "user", "content": question}], 1)
+        prompts.append(result["prompt"])
+        reused.append(result["reused"])
+    added = runner.lane_state()["prefix_bytes"] - before
+    separate = sum((n - 1) // step * step * per_token for n in prompts)
+    return {"users": users, "prompt_tokens": prompts, "reused": reused, "bytes_added": added,
+            "separate_states_bytes": separate}
+
+
 async def measure(path: Path, *, system_tokens: int, turns: int, max_tokens: int,
-                  step: int) -> dict[str, Any]:
+                  step: int, users: int) -> dict[str, Any]:
     on = MlxRunner(MlxOptions(model=str(path), model_id="bench", prefill_step=step))
     off = MlxRunner(MlxOptions(model=str(path), model_id="bench", prefill_step=step,
                                prefix_cache_bytes=0))
@@ -103,6 +124,7 @@ async def measure(path: Path, *, system_tokens: int, turns: int, max_tokens: int
         config = json.loads((path / "config.json").read_text())
         head_dim = config["hidden_size"] // config["num_attention_heads"]
         per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+        shared = await shared_by_users(on, messages[0], users, step, per_token)
     finally:
         await on.aclose()
         await off.aclose()
@@ -110,7 +132,7 @@ async def measure(path: Path, *, system_tokens: int, turns: int, max_tokens: int
             "max_tokens": max_tokens, "turns": rows,
             "blas": "openblas" if "openblas" in os.environ.get("LD_PRELOAD", "") else "wheel",
             "prefix_entries": state["prefix_entries"], "prefix_bytes": state["prefix_bytes"],
-            "bytes_per_token": per_token}
+            "bytes_per_token": per_token, "shared": shared}
 
 
 def main() -> int:
@@ -121,18 +143,21 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--prefill-step", type=int, default=512)
+    parser.add_argument("--users", type=int, default=4,
+                        help="conversations sharing the system prompt, after the turns")
     parser.add_argument("--smoke", action="store_true", help="hidden 128, 2 layers, 3 turns")
     parser.add_argument("--out", type=Path, default=OUT, help="where the JSON is written")
     args = parser.parse_args()
     if args.smoke:
         args.hidden, args.layers, args.system_tokens, args.turns, args.max_tokens = \
             128, 2, 200, 3, 4
-        args.prefill_step = 64
+        args.prefill_step, args.users = 64, 2
     with tempfile.TemporaryDirectory() as tmp:
         model = random_model(Path(tmp) / f"llama-{args.hidden}x{args.layers}",
                              hidden=args.hidden, layers=args.layers, context=8192)
         result = asyncio.run(measure(model, system_tokens=args.system_tokens, turns=args.turns,
-                                     max_tokens=args.max_tokens, step=args.prefill_step))
+                                     max_tokens=args.max_tokens, step=args.prefill_step,
+                                     users=args.users))
     last = result["turns"][-1]
     result["target"] = "ok (>= 5x at the last turn)" if last["ttft_speedup"] >= 5 else "BELOW"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -148,6 +173,11 @@ def main() -> int:
               f"{r['ttft_off_ms']} | {r['ttft_speedup']} | {r['total_on_ms']} | "
               f"{r['total_off_ms']} | yes |")
     print(f"target: {result['target']}")
+    shared = result["shared"]
+    print(f"{shared['users']} more users with the same system prompt (prompts "
+          f"{shared['prompt_tokens']} tokens, reused {shared['reused']}): their chunks added "
+          f"{shared['bytes_added']} bytes; a saved state each would hold "
+          f"{shared['separate_states_bytes']} bytes")
     return 0
 
 

@@ -69,6 +69,9 @@ def test_bench_prefix_smoke(tmp_path: Path) -> None:
     turns = result["turns"]
     assert len(turns) == 3 and all(t["identical"] for t in turns)
     assert turns[0]["reused"] == 0 and all(t["reused"] > 0 for t in turns[1:])
+    shared = result["shared"]  # two more users: the system prompt's chunks are not copied
+    assert all(r > 0 for r in shared["reused"])
+    assert 0 < shared["bytes_added"] < shared["separate_states_bytes"]
 
 
 def test_cost_curves_smoke(tmp_path: Path) -> None:
