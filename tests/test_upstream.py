@@ -40,6 +40,7 @@ from cacheproxy.runners.upstream_stream import _Reader
 from cacheproxy.runners.upstream_wire import parse_system_fingerprint, rejection
 from policies.sampling import SamplingMode
 from tests.conftest import free_port
+from tests.test_invalidation import asker, miss_then_hit
 from tests.test_proxy_e2e import NO_EOS
 from tests.test_upstream_stream import bursts, linux
 from tests.upstreams import Relay, Upstream
@@ -684,21 +685,9 @@ async def test_two_models_each_on_its_own_upstream_pool(
                                   model_dir=f"demo={model_dir},q={watched}", model_id="",
                                   watch=True, watch_interval=0.1)
         async with aiohttp.ClientSession() as session:
-            async def ask(model: str) -> tuple[str, str]:
-                async with session.post(proxy.url + CHAT, json={
-                        **_chat("What does the fox eat?"), "model": model}) as resp:
-                    assert resp.status == 200, await resp.text()
-                    assert (await resp.json())["model"] == model
-                    return resp.headers["X-Cache"], resp.headers["X-Cache-Fingerprint"]
-
-            first = {m: await ask(m) for m in ("demo", "q")}
-            again = {m: await ask(m) for m in ("demo", "q")}
-            assert [c for c, _ in first.values()] == ["MISS", "MISS"]
-            assert [c for c, _ in again.values()] == ["HIT", "HIT"]
-            assert first["demo"][1] != first["q"][1]
+            ask = asker(session, proxy.url + CHAT, _chat("What does the fox eat?"))
+            first = await miss_then_hit(session, proxy.url, ask)
             assert (len(to_demo.generations), len(to_q.generations)) == (1, 1)
-            async with session.get(proxy.url + "/v1/models") as resp:
-                assert [m["id"] for m in (await resp.json())["data"]] == ["demo", "q"]
 
             config = orjson.loads((watched / "config.json").read_bytes())
             (watched / "config.json").write_bytes(orjson.dumps({**config, "note": "changed"}))
