@@ -261,12 +261,19 @@ def test_bad_text_part_names_the_message(part: dict[str, Any]) -> None:
         {"prompt": [1, 2, 3]},
         {"prompt": []},
         {"prompt": {"text": "a"}},
-        {"messages": MESSAGES},
     ],
     ids=repr,
 )
 def test_bad_prompt(body: dict[str, Any]) -> None:
     rejects(body, InvalidRequest, "prompt", endpoint="completions")
+
+
+def test_a_chat_body_on_completions_is_told_where_it_belongs() -> None:
+    rejects({"messages": MESSAGES}, Unsupported, "messages", endpoint="completions")
+    with pytest.raises(Unsupported, match="belongs to /v1/chat/completions"):
+        parse({"messages": MESSAGES}, "completions", DEFAULTS, SEEDED)
+    with pytest.raises(Unsupported, match="belongs to /v1/completions"):
+        parse({**CHAT, "prompt": "Once"}, "chat", DEFAULTS, SEEDED)
 
 
 def test_one_element_prompt_list_is_the_prompt() -> None:

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from cacheproxy.errors import Unsupported
 from cacheproxy.keys.canonical import ROLES, Endpoint, RunnerDefaults, parse
 from cacheproxy.keys.fingerprint import UNDIGESTED, Fingerprint
 from cacheproxy.keys.key import CacheKey, make_key
@@ -258,12 +259,31 @@ def test_force_greedy_rewrites_sampling_to_greedy(
         {"n": 16, "stream": True},
         {"user": "alice"},
         {"metadata": {"team": "x"}, "store": False, "service_tier": "auto"},
-        {"parallel_tool_calls": None, "x-unknown": [1, 2, 3]},
+        {"parallel_tool_calls": None, "prompt_cache_key": "k", "safety_identifier": "s"},
+        {"prediction": {"type": "content", "content": "x"}, "prompt_cache_retention": "24h"},
         {"tools": [], "tool_choice": None, "response_format": None},
     ],
 )
-def test_delivery_and_unknown_fields_share_a_key(delivery: dict[str, Any]) -> None:
+def test_delivery_and_passed_fields_share_a_key(delivery: dict[str, Any]) -> None:
     assert key({**CHAT, **delivery}) == key(CHAT)
+
+
+@pytest.mark.parametrize(("endpoint", "extra"), [
+    ("chat", {"x-unknown": [1, 2, 3]}),
+    ("chat", {"repetition_context_size": 40}),  # mlx_lm.server's: it changes the answer
+    ("chat", {"xtc_probability": 0.5}),
+    ("chat", {"prompt": "an endpoint's field on the other"}),
+    ("completions", {"messages": []}),
+    ("completions", {"top_logprobs": 2}),
+    ("chat", {"store": True}),
+])
+def test_a_field_the_server_does_not_know_is_refused_not_dropped(
+        endpoint: str, extra: dict[str, Any]) -> None:
+    body = {**CHAT, **extra} if endpoint == "chat" else {"prompt": "Hi", **extra}
+    with pytest.raises(Unsupported) as refused:
+        parse(body, endpoint, DEFAULTS, SamplingMode.FORCE_GREEDY)  # type: ignore[arg-type]
+    assert refused.value.param == next(iter(extra)) and refused.value.code == \
+        "unsupported_parameter"
 
 
 @pytest.mark.parametrize(

@@ -179,7 +179,40 @@ def _logprobs(body: Mapping[str, Any], endpoint: Endpoint) -> tuple[bool, int]:
     return top_or_none is not None, top_or_none or 0
 
 
+# Every field a request may carry: one the parser applies or keys, one it refuses by name, or
+# one that changes nothing in the answer (passed: never keyed). Any other is a 400 naming it:
+# a parameter is never dropped without a word (mlx_lm.server's own extras, such as
+# `repetition_context_size` or `xtc_probability`, would change the answer).
+_PASSED = frozenset({"user", "metadata", "service_tier", "safety_identifier",
+                     "prompt_cache_key", "prompt_cache_retention", "prediction", "store"})
+_COMMON = frozenset({"model", "max_tokens", "stream", "stream_options", "temperature", "top_p",
+                     "top_k", "min_p", "seed", "n", "logprobs", "stop", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "logit_bias"})
+_KNOWN: dict[str, frozenset[str]] = {
+    "chat": _COMMON | _PASSED | {
+        "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+        "parallel_tool_calls", "functions", "function_call", "chat_template_kwargs",
+        "reasoning_effort", "response_format", "audio", "web_search_options", "verbosity",
+        "modalities"},
+    "completions": _COMMON | _PASSED | {
+        "prompt", "best_of", "echo", "suffix", "tools", "functions", "tool_choice",
+        "function_call", "parallel_tool_calls", "chat_template_kwargs", "response_format"},
+}
+
+
 def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
+    for name in body:
+        if name not in _KNOWN[endpoint]:
+            other = "completions" if endpoint == "chat" else "chat"
+            if name in _KNOWN[other]:
+                where = "/v1/completions" if other == "completions" else "/v1/chat/completions"
+                raise Unsupported(f"'{name}' belongs to {where}, not this endpoint", param=name)
+            raise Unsupported(f"'{name}' is not a parameter this server knows: it is refused "
+                              "rather than ignored (it might change the answer)", param=name)
+    if body.get("store") not in (None, False):
+        raise Unsupported("'store' true is not supported: this server keeps no completions "
+                          "to retrieve (every answer is cached by its request anyway)",
+                          param="store")
     if endpoint == "completions":
         for name in ("tools", "functions", "tool_choice", "function_call",
                      "parallel_tool_calls", "chat_template_kwargs", "response_format"):
