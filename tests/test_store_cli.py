@@ -68,6 +68,7 @@ async def test_verify_reports_100_percent_then_catches_a_tampered_record(
     report = json.loads(ok.stdout)
     assert report["checked"] == len(REQUESTS) and report["exact_match_rate"] == 1.0
     assert report["namespace"] == proxy.app[PROXY].runner.fingerprint().digest
+    assert report["model"] == proxy.app[PROXY].runner.defaults().model_id  # (#21)
 
     # Tamper: one stored token changes (the checksum is recomputed, so it decodes fine).
     record = codec.decode(await _get(proxy, keys[2]))
@@ -88,6 +89,7 @@ async def test_verify_reports_100_percent_then_catches_a_tampered_record(
     text = run("verify", "--store", store, "--sample", str(len(REQUESTS)))
     rate = f"{100 * (len(REQUESTS) - 1) / len(REQUESTS):.1f}%"
     assert text.returncode == 1 and "MISMATCH" in text.stdout and rate in text.stdout
+    assert f"against model {report['model']} (runner " in text.stdout
 
 
 async def _get(proxy: Proxy, key: str) -> bytes:

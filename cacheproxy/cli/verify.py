@@ -39,6 +39,7 @@ class Report:
 
     runner_fingerprint: str
     namespace: str
+    model: str = ""  # the model id the runner serves
     checked: int = 0
     matched: int = 0
     mismatches: list[Mismatch] = field(default_factory=list)
@@ -94,7 +95,7 @@ async def verify(
             f"namespace {target} was produced under another fingerprint than the runner's "
             f"({current}); pass --cross-fingerprint to compare across them")
     store = await open_store(url, replay=True)  # read only
-    report = Report(current, target)
+    report = Report(current, target, runner.defaults().model_id)
     try:
         # A sample lists only the pages it takes its keys from (at 1M entries, listing
         # them all costs ~1000 pages).
@@ -137,8 +138,8 @@ def print_report(report: Report, *, as_json: bool, out: TextIO = sys.stdout) -> 
         data = {**asdict(report), "exact_match_rate": report.exact_match_rate}
         print(json.dumps(data, indent=2, ensure_ascii=False), file=out)
         return
-    print(f"verified {report.checked} entries of namespace {report.namespace} against runner "
-          f"{report.runner_fingerprint}: exact-match rate {report.exact_match_rate:.1%} "
+    print(f"verified {report.checked} entries of namespace {report.namespace} against model "
+          f"{report.model} (runner {report.runner_fingerprint}): exact-match rate {report.exact_match_rate:.1%} "
           f"({report.matched}/{report.checked})", file=out)
     for m in report.mismatches:
         where = "" if m.first_diverging_token is None else \
