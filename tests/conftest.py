@@ -44,6 +44,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def demo_token(text: str) -> int:
+    """The demo model's token id of `text` (one token of its vocabulary)."""
+    from tokenizers import Tokenizer
+
+    found = Tokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json")).token_to_id(text)
+    assert found is not None, f"{text!r} is not a token of the demo model"
+    return int(found)
+
+
 @pytest_asyncio.fixture(scope="session")
 async def runner() -> AsyncIterator[MlxRunner]:
     """The bundled demo model, loaded once through mlx_lm.load."""

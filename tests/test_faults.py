@@ -16,7 +16,7 @@ from cacheproxy.cli.settings import Settings
 from cacheproxy.edge.state import PROXY
 from cacheproxy.runners.demo.model import BUNDLED_MODEL
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
-from tests.conftest import ProxyFactory, free_port
+from tests.conftest import ProxyFactory, demo_token, free_port
 from tests.test_proxy_e2e import NO_EOS
 
 CHAT = "/v1/chat/completions"
@@ -110,10 +110,7 @@ async def test_byte_tokens_never_split_a_character_and_never_crash(
     proxy = await make_proxy()
     # Push the demo model towards the two byte tokens of "é" (0xC3 0xA9): it emits them in
     # orders that make whole characters and invalid sequences alike.
-    from tokenizers import Tokenizer
-
-    vocab = Tokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json"))
-    first, second = vocab.token_to_id("Ã"), vocab.token_to_id("©")  # byte-level 0xC3, 0xA9
+    first, second = demo_token("Ã"), demo_token("©")  # byte-level 0xC3, 0xA9
     body = {"prompt": "The fox", "max_tokens": 12, "stream": True,
             "logit_bias": {str(first): 100, str(second): 100}}
     pieces = []

@@ -39,7 +39,7 @@ from cacheproxy.runners.upstream_model import UpstreamOptions
 from cacheproxy.runners.upstream_stream import _Reader
 from cacheproxy.runners.upstream_wire import parse_system_fingerprint, rejection
 from policies.sampling import SamplingMode
-from tests.conftest import free_port
+from tests.conftest import demo_token, free_port
 from tests.test_invalidation import asker, miss_then_hit
 from tests.test_proxy_e2e import NO_EOS
 from tests.test_upstream_stream import bursts, linux
@@ -50,11 +50,7 @@ MODEL_ID = "demo-upstream"
 
 
 def _token(marker: str) -> str:
-    from tokenizers import Tokenizer
-
-    from cacheproxy.runners.demo.model import BUNDLED_MODEL
-
-    return str(Tokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json")).token_to_id(marker))
+    return str(demo_token(marker))
 
 
 # Long answers of plain text: no end, no thought, no tool call (mlx_lm.server holds a call's
