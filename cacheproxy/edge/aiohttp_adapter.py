@@ -1,7 +1,8 @@
 """The one module that leans on aiohttp's internals: pre-rendered responses, the
 connection bounds, and the body limit applied to `Expect: 100-continue`.
 
-Pre-rendered responses: head and body rendered to bytes in advance, written in one call.
+Pre-rendered responses: head and body rendered to bytes in advance, written in one call
+(a body over PIECE bytes in pieces, each waiting for the client to read: back-pressure).
 
 aiohttp's StreamResponse builds a CIMultiDict, checks and serializes every header and
 writes head and body through its stream writer on every response; measured on a cache
@@ -30,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from email.utils import formatdate
 from functools import lru_cache
 
@@ -43,6 +44,9 @@ from aiohttp.web_protocol import RequestHandler
 from cacheproxy.errors import Overloaded
 
 _SERVER = f"Server: {SERVER_SOFTWARE}\r\n".encode()
+# Bytes per write of a large body: the default high-water mark of asyncio's and uvloop's
+# transports (and aiohttp's StreamWriter drains past the same 64 KiB).
+PIECE = 64 << 10
 PRIVATE_ATTRIBUTES = {
     "StreamResponse": ("_eof_sent", "_cookies", "_compression", "_chunked", "_keep_alive",
                        "_status", "_reason", "_headers", "_body_length"),
@@ -106,6 +110,11 @@ def _connection(version: HttpVersion, keep_alive: bool) -> bytes:
     return b"Connection: close\r\n" if version == HttpVersion11 else b""
 
 
+Body = bytes | Sequence[bytes]
+"""A rendered body: bytes, or pieces sent one after another (which may share the bytes of
+a template with other responses: a large answer is then not copied per response)."""
+
+
 class Rendered(web.StreamResponse):
     """A response from a pre-rendered header block and body.
 
@@ -113,12 +122,15 @@ class Rendered(web.StreamResponse):
     Date, Server and Connection, which are added when it is sent (so `headers` must not
     hold them either). `request_id`, when set, is sent as X-Request-Id (the edge sets it;
     cheaper than a header added to `headers`). prepare() sends everything and ends the
-    response: no cookies, compression, chunking or later writes.
+    response: no cookies, compression, chunking or later writes. A body up to PIECE bytes
+    goes in the head's write; a larger one in pieces, each after the transport drained
+    below its high-water mark, so a client that does not read makes the proxy buffer a
+    piece or two of its answer, not all of it.
     """
 
     request_id = ""
 
-    def __init__(self, head: bytes, body: bytes, *, status: int = 200) -> None:
+    def __init__(self, head: bytes, body: Body, *, status: int = 200) -> None:
         if status < 200 or status in (204, 304):
             raise ValueError(f"a {status} response carries no body: not a Rendered one")
         super().__init__(status=status)
@@ -126,7 +138,7 @@ class Rendered(web.StreamResponse):
         self._rendered = body
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
-        """Write the whole response, head and body, in one call, and end it."""
+        """Write the whole response, head and body, and end it."""
         if self._eof_sent:
             return None
         if self._cookies or self._compression or self._chunked:
@@ -136,19 +148,29 @@ class Rendered(web.StreamResponse):
         keep_alive = request.keep_alive if self._keep_alive is None else self._keep_alive
         self._keep_alive = keep_alive
         body = self._rendered
+        length = len(body) if isinstance(body, bytes) else sum(map(len, body))
         request_id = self.request_id
         if not request_id.isprintable():  # stricter than _FORBIDDEN, and a tenth of its cost
             raise ValueError("the request id holds a control character such as CR or LF")
-        data = b"".join((
+        head = (
             _status_line(version, self._status, self._reason), self._head,
             b"X-Request-Id: %s\r\n" % request_id.encode() if request_id else b"",
             header_lines(self._headers.items()) if self._headers else b"",
-            _connection(version, keep_alive), b"Content-Length: %d\r\n" % len(body),
-            _date.now(), _SERVER, b"\r\n", b"" if request.method == "HEAD" else body))
+            _connection(version, keep_alive), b"Content-Length: %d\r\n" % length,
+            _date.now(), _SERVER, b"\r\n")
         writer = request.writer
-        await writer.write_eof(data)  # writes, then drains as StreamResponse does
+        try:
+            if request.method == "HEAD":
+                await writer.write_eof(b"".join(head))
+            elif isinstance(body, bytes) and length <= PIECE:  # (a HIT: one write, one copy)
+                await writer.write_eof(b"".join((*head, body)))  # writes, then drains
+            else:
+                await _send_in_pieces(writer, b"".join(head), body)
+        except ConnectionError as exc:
+            forget_frames(exc)
+            raise
         self._eof_sent = True  # so write() after this is refused, as after write_eof()
-        self._body_length = len(body)
+        self._body_length = length
         return writer
 
     async def write_eof(self, data: bytes = b"") -> None:
@@ -157,6 +179,49 @@ class Rendered(web.StreamResponse):
             raise ValueError("a rendered response takes no more data")
         if not self._eof_sent:
             raise RuntimeError("the response has not been prepared")
+
+
+async def _send_in_pieces(writer: AbstractStreamWriter, head: bytes, body: Body) -> None:
+    """Head and body, PIECE bytes a write; each write waits while the transport holds more
+    than its high-water mark (StreamWriter.write drains past 64 KiB)."""
+    for piece in pieces((head, body) if isinstance(body, bytes) else (head, *body), PIECE):
+        await writer.write(piece)
+    await writer.write_eof()
+
+
+def pieces(parts: Iterable[bytes], size: int) -> Iterator[bytes | memoryview]:
+    """The concatenation of `parts` in pieces of about `size` bytes: small parts joined,
+    large ones sliced without a copy."""
+    pending: list[bytes] = []
+    held = 0
+    for part in parts:
+        if len(part) < size:
+            pending.append(part)
+            held += len(part)
+            if held < size:
+                continue
+        if pending:
+            yield b"".join(pending)
+            pending, held = [], 0
+        if len(part) >= size:
+            view = memoryview(part)
+            for start in range(0, len(view), size):
+                yield view[start:start + size]
+    if pending:
+        yield b"".join(pending)
+
+
+def forget_frames(exc: BaseException) -> None:
+    """Drop the tracebacks of a connection error raised out of a drain (and of its causes).
+    aiohttp's drain waiter holds the error, whose traceback holds the frame that holds the
+    waiter: a cycle that kept every frame the error passed (and the answer they hold) alive
+    until the collector ran. The connection is gone: nobody reads those tracebacks."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        cause.__traceback__ = None
+        cause = cause.__cause__ or cause.__context__
 
 
 _BODY = orjson.dumps(Overloaded("too many open connections, retry later").body())

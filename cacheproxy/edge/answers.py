@@ -17,8 +17,8 @@ import orjson
 from aiohttp import web
 
 from cacheproxy.edge import render, responses_render
-from cacheproxy.edge.aiohttp_adapter import Rendered, header_lines
-from cacheproxy.edge.route import JSON, json_response
+from cacheproxy.edge.aiohttp_adapter import Body, Rendered, forget_frames, header_lines
+from cacheproxy.edge.route import JSON
 from cacheproxy.edge.state import CACHE_LOG, IDENTITY, IDS, MODELS, OPTIONS, PROXY, Served
 from cacheproxy.errors import ClientGone, ProxyError, RequestTimeout, UnreadableBody
 from cacheproxy.keys.canonical import Parsed, Route
@@ -50,7 +50,7 @@ async def _complete(request: web.Request, endpoint: Route) -> web.StreamResponse
             memo_key = (endpoint, scope, raw) if control is None else None
             return _stored_hit(request, answer, proxy, memo_key)
         case Flowing():
-            return await _flowing(request, answer, proxy.options.ttl)
+            return await _flowing(request, answer, proxy)
         case _:
             assert_never(answer)
 
@@ -141,12 +141,13 @@ def _repeat_hit(request: web.Request, repeat: Repeat, ttl: float | None) -> Rend
     age = max(0.0, now - repeat.created_at)
     control = response_cache_control(stored=True, ttl=ttl, age=age)
     head = b"%bAge: %d\r\nCache-Control: %s\r\n" % (repeat.head, age, control.encode())
-    body = repeat.template.fill(request.app[IDS].next(repeat.endpoint), int(now))
-    return Rendered(head, body)
+    template = repeat.template
+    fill = template.pieces if template.large else template.fill
+    return Rendered(head, fill(request.app[IDS].next(repeat.endpoint), int(now)))
 
 
 def _stored_hit(request: web.Request, hit: Stored, proxy: CachingProxy,
-                memo_key: RepeatKey | None) -> web.Response:
+                memo_key: RepeatKey | None) -> Rendered:
     """A HIT of the full path: rendered once per record and delivery, remembered for the
     repeats of the same body (`memo_key`, None under Cache-Control)."""
     info = request[CACHE_LOG] = _log_fields(hit.status, hit.reason, hit.key.short,
@@ -165,8 +166,10 @@ def _stored_hit(request: web.Request, hit: Stored, proxy: CachingProxy,
             created_at=float(hit.record.provenance.get("created_at", 0.0)), template=template,
             head=header_lines([*fixed, ("Content-Type", template.content_type)]),
             log=SharedFields(info)))
-    body = template.fill(request.app[IDS].next(hit.parsed.delivery.api), int(time.time()))
-    return web.Response(body=body, headers=headers, content_type=template.content_type)
+    fill = template.pieces if template.large else template.fill
+    body = fill(request.app[IDS].next(hit.parsed.delivery.api), int(time.time()))
+    return Rendered(header_lines([*headers.items(), ("Content-Type", template.content_type)]),
+                    body)
 
 
 def _hit_template(proxy: CachingProxy, hit: Stored) -> Template:
@@ -183,13 +186,14 @@ def _hit_template(proxy: CachingProxy, hit: Stored) -> Template:
     return proxy.memos.templates.get(memo_key, record, draw)
 
 
-async def _flowing(request: web.Request, answer: Flowing, ttl: float | None
+async def _flowing(request: web.Request, answer: Flowing, proxy: CachingProxy
                    ) -> web.StreamResponse:
     """An answer through a flight: relayed live (stream) or sent once it ends."""
     info = request[CACHE_LOG] = _log_fields(answer.status, answer.reason, answer.key.short,
                                             answer.parsed.request.model)
     headers = _cache_headers(answer.status, answer.reason, answer.key, answer.fingerprint,
-                             answer.parsed, stores=answer.stores, age=answer.age, ttl=ttl)
+                             answer.parsed, stores=answer.stores, age=answer.age,
+                             ttl=proxy.options.ttl)
     frame = _frame(answer.parsed, answer.fingerprint, answer.key, request.app[IDS].next(
         answer.parsed.delivery.api), int(time.time()), cached=answer.status is CacheStatus.HIT)
     flight = answer.flight
@@ -202,12 +206,30 @@ async def _flowing(request: web.Request, answer: Flowing, ttl: float | None
         if flight.revalidated:
             headers["X-Cache-Revalidated"] = flight.revalidated
         frame = _prefilled(frame, flight, headers, info)
-        response = json_response(_body_of(frame, output), headers=headers)
+        headers["Content-Type"] = JSON
+        response = Rendered(header_lines(headers.items()),
+                            _generated_body(proxy, answer, frame, output))
     if flight.output is not None:
         info["tokens"] = flight.output.completion_tokens
         if answer.status is not CacheStatus.COALESCED and flight.generation_ms is not None:
             info["runner_ms"] = round(flight.generation_ms, 2)
     return response
+
+
+def _generated_body(proxy: CachingProxy, answer: Flowing, frame: render.Frame,
+                    output: Output) -> Body:
+    """A whole answer of a flight, rendered once for all its readers of one delivery (the
+    id and time filled per reader): a hundred followers of a large answer cost one
+    rendering, and share its bytes while they are sent."""
+    marked = dataclasses.replace(frame, id=ID_MARK, created=CREATED_MARK)
+
+    def draw() -> Template:
+        return Template(orjson.dumps(_body_of(marked, output)), JSON)
+
+    memo_key = ("flight", answer.key, frame.delivery, frame.logprobs, frame.cached)
+    template = proxy.memos.templates.get(memo_key, output, draw)
+    fill = template.pieces if template.large else template.fill
+    return fill(frame.id, frame.created)
 
 
 def _prefilled(frame: render.Frame, flight: Flight, headers: dict[str, str],
@@ -258,8 +280,9 @@ async def _stream(request: web.Request, answer: Flowing, frame: render.Frame,
     await response.prepare(request)
     try:
         await _relay(response, answer, frame)
-    except ConnectionError:
+    except ConnectionError as exc:
         # The client left: its reading stops here, the shared fill goes on and is stored.
+        forget_frames(exc)  # (or a cycle through aiohttp's drain keeps this relay alive)
         request[CACHE_LOG]["client"] = "gone"
     return response
 

@@ -42,6 +42,7 @@ from policies.sampling import SamplingMode
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 MAX_MEMO_BODY = 16 << 10  # bigger bodies are parsed every time
+LARGE_BODY = 64 << 10  # hit bodies above it are sent as pieces of their template, not copied
 
 
 class LRU(Generic[K, V]):
@@ -170,6 +171,9 @@ class Template:
     # another shape (cacheproxy renders none) gets the two marks replaced.
     _between: bytes | None = field(init=False, repr=False, compare=False, default=None)
     _parts: tuple[bytes, ...] = field(init=False, repr=False, compare=False, default=())
+    # Over LARGE_BODY, and in the joined shape: send `pieces` (a response then shares the
+    # template's bytes: a client that does not read holds no copy of its answer).
+    large: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         between = _between_marks(self.body)
@@ -177,6 +181,7 @@ class Template:
             object.__setattr__(self, "_between", between)
             object.__setattr__(self, "_parts", tuple(self.body.split(
                 _ID_BYTES + between + _CREATED_BYTES)))
+            object.__setattr__(self, "large", len(self.body) > LARGE_BODY)
 
     def fill(self, response_id: str, created: int) -> bytes:
         """The body with its response id and creation time."""
@@ -189,6 +194,16 @@ class Template:
         for marked in _TIMES_BYTES:
             body = body.replace(marked, marked[: -len(str(CREATED_MARK))] + b"%d" % created)
         return body
+
+    def pieces(self, response_id: str, created: int) -> list[bytes]:
+        """What `fill` returns, as the template's own parts with the filled fields between
+        (nothing copied)."""
+        if self._between is None:
+            return [self.fill(response_id, created)]
+        filled = b'"id":"%b"%b"created":%d' % (response_id.encode(), self._between, created)
+        out = [filled] * (2 * len(self._parts) - 1)
+        out[::2] = self._parts
+        return out
 
 
 class HitTemplates:
