@@ -16,6 +16,15 @@ class BackendError(Exception):
     """A store failure (I/O, database); callers log it and treat it as a miss."""
 
 
+class StoreFull(BackendError):
+    """The store takes nothing new (its disk is full) but still serves what it holds: not
+    an outage, so callers keep reading from it."""
+
+
+class StoreReadOnly(StoreFull):
+    """The store is read-only (its directory or file system): it serves what it holds."""
+
+
 @dataclass(frozen=True, slots=True)
 class StoreStatsResult:
     """What a store holds, counting entries that expired but were not yet read."""

@@ -20,6 +20,8 @@ from backends.base import (
     PURGE_BATCH,
     BackendError,
     Clock,
+    StoreFull,
+    StoreReadOnly,
     StoreStatsResult,
     check_max_bytes,
     entry_size,
@@ -315,7 +317,20 @@ class DiskBackend:
 
     def _set(self, conn: sqlite3.Connection, key: str, value: bytes,
              expires_at: float | None, now: float) -> None:
+        if self.read_only:
+            raise StoreReadOnly(f"disk store {str(self._directory)!r} is read-only: "
+                                "nothing new is stored")
         self._flush_touches()  # eviction below sees the reads' recency
+        try:
+            self._insert(conn, key, value, expires_at, now)
+        except sqlite3.OperationalError as exc:
+            refused = _refusal(exc)
+            if refused is None:
+                raise
+            raise refused(f"disk store {str(self._directory)!r}: {exc}") from exc
+
+    def _insert(self, conn: sqlite3.Connection, key: str, value: bytes,
+                expires_at: float | None, now: float) -> None:
         size = entry_size(key, value)
         total = self._bytes
         with _transaction(conn):
@@ -406,6 +421,15 @@ def _read_only_mount(directory: Path) -> bool:
         return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
     except OSError:
         return False
+
+
+def _refusal(exc: sqlite3.OperationalError) -> type[StoreFull] | None:
+    """StoreFull for a disk that is full, StoreReadOnly for a database that cannot be
+    written (a file or directory made read-only under a running store), else None."""
+    code = getattr(exc, "sqlite_errorcode", 0) & 0xFF  # the primary code of an extended one
+    if code == sqlite3.SQLITE_FULL:
+        return StoreFull
+    return StoreReadOnly if code == sqlite3.SQLITE_READONLY else None
 
 
 def _corrupt(exc: sqlite3.DatabaseError) -> bool:

@@ -27,9 +27,11 @@ class Reason(StrEnum):
     SEEDED = "seeded"
     UNSEEDED_SAMPLING = "unseeded-sampling"
     SAMPLING = "sampling"
-    STORE_UNAVAILABLE = "store-unavailable"
+    STORE_UNAVAILABLE = "store-unavailable"  # the store is down (and a MISS: not stored)
     NO_CACHE = "no-cache"
     MAX_AGE = "max-age"
     NO_STORE = "no-store"
     FRESH = "fresh"  # a stored answer these directives allow
     NOT_RECORDED = "not-recorded"  # a replaying server has no recorded answer
+    STORE_FULL = "store-full"  # generated, not stored: the store takes nothing new
+    STORE_READ_ONLY = "store-read-only"  # generated, not stored: the store is read-only

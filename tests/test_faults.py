@@ -211,6 +211,7 @@ class FlakyStore:
 
         self.inner = MemoryBackend()
         self.down = False
+        self.writes_down = False  # reads work, writes fail
 
     async def get(self, key: str) -> bytes | None:
         if self.down:
@@ -218,7 +219,7 @@ class FlakyStore:
         return await self.inner.get(key)
 
     async def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
-        if self.down:
+        if self.down or self.writes_down:
             raise BackendError("down")
         await self.inner.set(key, value, ttl)
 
@@ -253,6 +254,29 @@ async def test_store_outage_bypasses_then_hits_resume(runner: MlxRunner) -> None
             await asyncio.sleep(0.4)  # the breaker's cooldown
             assert await ask() == "HIT"
             assert app[PROXY].breaker.state == "closed"
+    finally:
+        await server.close()
+        await store.aclose()
+
+
+async def test_an_answer_the_store_failed_to_keep_says_so(runner: MlxRunner) -> None:
+    store = FlakyStore()
+    store.writes_down = True
+    app = build_app(Settings(store="memory://", store_retry=60), runner=runner, store=store)
+    server = TestServer(app, host="127.0.0.1", port=free_port())
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as session:
+            caches = []
+            for _ in range(2):
+                async with session.post(f"http://127.0.0.1:{server.port}{CHAT}",
+                                        json=BODY) as resp:
+                    assert resp.status == 200
+                    caches.append(resp.headers["X-Cache"])
+        # Generated, and the write failed: not the MISS that means "stored"; then the
+        # breaker is open and the next one goes around the store.
+        assert caches == ["MISS; reason=store-unavailable", "BYPASS; reason=store-unavailable"]
+        assert app[PROXY].counters["store_errors"] == 2  # the write, the refused lookup
     finally:
         await server.close()
         await store.aclose()

@@ -191,18 +191,21 @@ async def _flowing(request: web.Request, answer: Flowing, proxy: CachingProxy
     """An answer through a flight: relayed live (stream) or sent once it ends."""
     info = request[CACHE_LOG] = _log_fields(answer.status, answer.reason, answer.key.short,
                                             answer.parsed.request.model)
-    headers = _cache_headers(answer.status, answer.reason, answer.key, answer.fingerprint,
-                             answer.parsed, stores=answer.stores, age=answer.age,
-                             ttl=proxy.options.ttl)
+    ttl = proxy.options.ttl
     frame = _frame(answer.parsed, answer.fingerprint, answer.key, request.app[IDS].next(
         answer.parsed.delivery.api), int(time.time()), cached=answer.status is CacheStatus.HIT)
     flight = answer.flight
     if answer.parsed.delivery.stream:
+        headers = _cache_headers(answer.status, answer.reason, answer.key, answer.fingerprint,
+                                 answer.parsed, stores=answer.stores, age=answer.age, ttl=ttl)
         # (The proxy answered once the flight started: a generation's prefill is known.)
         response = await _stream(request, answer, _prefilled(frame, flight, headers, info),
                                  headers)
     else:
         output = await flight.ended()
+        reason = _stored_or_why(answer, info)
+        headers = _cache_headers(answer.status, reason, answer.key, answer.fingerprint,
+                                 answer.parsed, stores=answer.stores, age=answer.age, ttl=ttl)
         if flight.revalidated:
             headers["X-Cache-Revalidated"] = flight.revalidated
         frame = _prefilled(frame, flight, headers, info)
@@ -214,6 +217,16 @@ async def _flowing(request: web.Request, answer: Flowing, proxy: CachingProxy
         if answer.status is not CacheStatus.COALESCED and flight.generation_ms is not None:
             info["runner_ms"] = round(flight.generation_ms, 2)
     return response
+
+
+def _stored_or_why(answer: Flowing, info: dict[str, Any]) -> Reason:
+    """The reason an answer shows once its flight ended: why it was not stored when it was
+    to be (the store full or read-only), else the plan's; in the access line too."""
+    why = answer.flight.not_stored
+    if why is None or not answer.stores:
+        return answer.reason
+    info["reason"] = why.value
+    return why
 
 
 def _generated_body(proxy: CachingProxy, answer: Flowing, frame: render.Frame,
@@ -279,7 +292,7 @@ async def _stream(request: web.Request, answer: Flowing, frame: render.Frame,
     response = web.StreamResponse(headers={**headers, "Content-Type": SSE})
     await response.prepare(request)
     try:
-        await _relay(response, answer, frame)
+        await _relay(response, answer, frame, request[CACHE_LOG])
     except ConnectionError as exc:
         # The client left: its reading stops here, the shared fill goes on and is stored.
         forget_frames(exc)  # (or a cycle through aiohttp's drain keeps this relay alive)
@@ -287,7 +300,8 @@ async def _stream(request: web.Request, answer: Flowing, frame: render.Frame,
     return response
 
 
-async def _relay(response: web.StreamResponse, answer: Flowing, frame: render.Frame) -> None:
+async def _relay(response: web.StreamResponse, answer: Flowing, frame: render.Frame,
+                 info: dict[str, Any]) -> None:
     flight, stream = answer.flight, _stream_of(frame)
     await response.write(stream.start())
     try:
@@ -302,5 +316,7 @@ async def _relay(response: web.StreamResponse, answer: Flowing, frame: render.Fr
     tail = stream.end(flight.output)
     if flight.revalidated:  # headers are long gone: say it as an SSE comment
         tail += f": x-cache-revalidated={flight.revalidated}\n\n".encode()
+    if (reason := _stored_or_why(answer, info)) is not answer.reason:  # (not stored)
+        tail += f": x-cache={answer.status}; reason={reason}\n\n".encode()
     await response.write(tail + stream.done)
     await response.write_eof()

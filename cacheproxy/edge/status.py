@@ -13,7 +13,7 @@ from cacheproxy.edge.info import model_states
 from cacheproxy.edge.route import json_response
 from cacheproxy.edge.state import CONNECTIONS, INVALIDATOR, METRICS, OPTIONS, PROXY, STARTED
 from cacheproxy.service.namespaces import cache_entries
-from policies.status import CacheStatus
+from policies.status import CacheStatus, Reason
 
 
 async def snapshot(app: web.Application) -> dict[str, Any]:
@@ -64,10 +64,16 @@ async def public_stats(request: web.Request) -> web.Response:
     return json_response(data)
 
 
+# The service's counters of answers the store refused, by the reason their X-Cache shows.
+REFUSED = {"store_full": Reason.STORE_FULL.value, "store_read_only": Reason.STORE_READ_ONLY.value}
+
+
 async def metrics(request: web.Request) -> web.Response:
     """GET /metrics: Prometheus exposition."""
     data = await snapshot(request.app)
-    gauges = {"store_errors": data["counters"].get("store_errors", 0),
+    counters = data["counters"]
+    gauges = {"store_errors": counters.get("store_errors", 0),
+              "refused": {reason: counters.get(name, 0) for name, reason in REFUSED.items()},
               "breaker": data["store_breaker"],
               "entries": data["store"].get("entries"), "bytes": data["store"].get("bytes"),
               "l1": data["store"].get("l1"),
@@ -76,8 +82,8 @@ async def metrics(request: web.Request) -> web.Response:
               "queued": data["lane"].get("queued", 0),
               "prefix_entries": data["lane"].get("prefix_entries", 0),
               "prefix_bytes": data["lane"].get("prefix_bytes", 0),
-              "invalidation": {k: v for k, v in data["counters"].items()
-                               if k not in ("store_errors", "corrupt_records")}}
+              "invalidation": {k: v for k, v in counters.items()
+                               if k not in ("store_errors", "corrupt_records", *REFUSED)}}
     body = request.app[METRICS].render(gauges)
     return web.Response(body=body, content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})

@@ -212,6 +212,10 @@ class Metrics:
         r.register(self.tally)
         self.store_errors = Gauge("cacheproxy_store_errors", "Store failures (each a miss)",
                                   registry=r)
+        self.refused = Gauge("cacheproxy_store_writes_refused",
+                             "Answers the store would not take, by reason (store-full, "
+                             "store-read-only): each served as MISS; reason=...", ["reason"],
+                             registry=r)
         self.breaker_open = Gauge("cacheproxy_store_breaker_open",
                                   "1 while the store's circuit breaker keeps requests off it",
                                   registry=r)
@@ -243,6 +247,8 @@ class Metrics:
     def render(self, gauges: dict[str, Any]) -> bytes:
         """The exposition text, with point-in-time gauges refreshed first."""
         self.store_errors.set(gauges.get("store_errors", 0))
+        for reason, value in gauges.get("refused", {}).items():
+            self.refused.labels(reason).set(value)
         self.breaker_open.set(1 if gauges.get("breaker") == "open" else 0)
         if gauges.get("entries") is not None:
             self.store_entries.set(gauges["entries"])

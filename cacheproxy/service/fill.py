@@ -96,8 +96,8 @@ class Filler:
         unchanged = self._runner.fingerprint().digest == order.fingerprint and \
             ran_on in (None, order.fingerprint)
         if order.store and unchanged and output.finish_reason in codec.FINISHED:
-            await self._storage.put(flight.key, self._record(order.request, output,
-                                                             flight.generation_ms, flight))
+            flight.not_stored = await self._storage.put(
+                flight.key, self._record(order.request, output, flight.generation_ms, flight))
         flight.finish(output)
 
     def _record(self, request: CanonicalRequest, output: codec.Output, ms: float,

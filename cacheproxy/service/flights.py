@@ -15,6 +15,7 @@ from cacheproxy.keys.codec import Chunk, Output
 from cacheproxy.keys.key import CacheKey
 from cacheproxy.runners.base import Prefill
 from cacheproxy.runners.live import Live
+from policies.status import Reason
 
 
 class Flight:
@@ -30,6 +31,7 @@ class Flight:
         self.created_at: float | None = None  # of the stored record a replay came from
         self.generation_ms: float | None = None
         self.revalidated: str | None = None  # "match" | "mismatch" after a no-cache refill
+        self.not_stored: Reason | None = None  # why an answer to be stored was not (store-full)
         self.prefill: Prefill | None = None  # what the generation's prefill did (in-process)
         self.live = Live()  # a streaming reader takes the chunks as they come
         self._changed = asyncio.Event()  # replaced at every change: wakes every reader

@@ -2,6 +2,8 @@
 
 A store failure is never an error of the request: the breaker opens and the caller hears
 StoreUnavailable (a lookup) or nothing at all (a write or a delete, logged and counted).
+A store that refuses a write because it is full or read-only is not down: the breaker stays
+closed (its entries are still read) and `put` says why the answer was not stored.
 A record that does not decode, or that holds another request than the one asking, is a
 miss and is deleted.
 """
@@ -13,12 +15,13 @@ from typing import TypeVar
 
 import structlog
 
-from backends.base import Backend, BackendError, Peek
+from backends.base import Backend, BackendError, Peek, StoreFull, StoreReadOnly
 from cacheproxy.keys import codec
 from cacheproxy.keys.canonical import CanonicalRequest
 from cacheproxy.keys.key import CacheKey
 from cacheproxy.service.breaker import Breaker, StoreUnavailable
 from cacheproxy.service.memos import DecodedRecords
+from policies.status import Reason
 
 log = structlog.get_logger("cacheproxy.service")
 T = TypeVar("T")
@@ -31,7 +34,8 @@ class StoreAccess:
                  decoded: DecodedRecords) -> None:
         self.store = store
         self.breaker = Breaker(cooldown=store_retry)
-        self.counters: dict[str, int] = {"store_errors": 0, "corrupt_records": 0}
+        self.counters: dict[str, int] = {"store_errors": 0, "corrupt_records": 0,
+                                         "store_full": 0, "store_read_only": 0}
         self._ttl = ttl
         self._decoded = decoded
         self.peek = store.peek if isinstance(store, Peek) else None
@@ -69,12 +73,20 @@ class StoreAccess:
         """The stored bytes; StoreUnavailable (not counted: the full path counts)."""
         return await self.guarded(self.store.get(key))
 
-    async def put(self, key: CacheKey, record: codec.Record) -> None:
-        """Store a record; a failure is logged and counted, never raised."""
+    async def put(self, key: CacheKey, record: codec.Record) -> Reason | None:
+        """Store a record: None once stored, else why not (store-full, store-read-only,
+        store-unavailable). A failure is logged and counted, never raised."""
         try:
             await self.guarded(self.store.set(key, codec.encode(record), ttl=self._ttl))
         except StoreUnavailable as exc:
             self.failed("set", key, exc)
+            return Reason.STORE_UNAVAILABLE
+        except StoreFull as exc:
+            read_only = isinstance(exc, StoreReadOnly)
+            self.counters["store_read_only" if read_only else "store_full"] += 1
+            log.warning("store_refused", key=key.short, error=str(exc))
+            return Reason.STORE_READ_ONLY if read_only else Reason.STORE_FULL
+        return None
 
     async def _discard(self, key: CacheKey, why: str) -> None:
         self.counters["corrupt_records"] += 1
@@ -85,7 +97,8 @@ class StoreAccess:
             self.failed("delete", key, exc)
 
     async def guarded(self, call: Awaitable[T]) -> T:
-        """Await a store call through the breaker; StoreUnavailable instead of BackendError."""
+        """Await a store call through the breaker; StoreUnavailable instead of BackendError
+        (but StoreFull, raised as it is: the store answered)."""
         try:
             self.breaker.allow()
         except StoreUnavailable:
@@ -94,6 +107,9 @@ class StoreAccess:
             raise
         try:
             result = await call
+        except StoreFull:
+            self.breaker.succeeded()  # up, and reading: only new entries are refused
+            raise
         except BackendError as exc:
             self.breaker.failed()
             raise StoreUnavailable(str(exc)) from exc
