@@ -20,6 +20,21 @@ with its own servers, bounded in time:
   slowloris        --slowloris connections (1,000: the --max-connections default) trickle
                    their headers a byte at a time while a normal client sends 100 requests,
                    each on a new connection: expect >= 99 answered, p99 under 100 ms
+  unread           --unread clients (100) ask for a large answer (16 choices x 500 tokens x
+                   20 logprobs: ~12 MB) and never read it, while a normal client sends 100
+                   HITs: expect the proxy's RSS to grow by under 1 MiB per unread client
+                   (reported before, held and after) and the HITs' p99 under 50 ms
+  disk-full        a disk store on a 1 MB tmpfs filled to the brim (a junk file, then entries
+                   until the store refuses one): expect every stored entry still a HIT, the
+                   same answer, and every new one `MISS; reason=store-full`
+  read-only        entries stored, the tmpfs remounted read-only, the proxy started on it:
+                   expect every stored entry a HIT, new ones `MISS; reason=store-read-only`,
+                   no crash; then the same after a writer that was SIGKILLed (its WAL left)
+  corrupt          the database file's pages overwritten while the proxy serves it, then
+                   again while it is stopped: expect every request answered, the file
+                   quarantined both times, every entry stored again, nothing wrong served
+
+Mounting a tmpfs takes root: without it the disk scenarios say so, and are not as expected.
 
     python loadtests/faults.py                           # all, 600 s soak
     python loadtests/faults.py --soak-seconds 120 --only soak,hostile
@@ -45,15 +60,19 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import broken_disks
 import hostile
+from broken_disks import MountImpossible
 from common import (
     PATH,
     RESULTS,
+    BenchError,
     Procs,
     Server,
     children,
     demo_model,
     figure,
+    http,
     restart,
     run,
     runtime_line,
@@ -489,10 +508,294 @@ def slowloris(work: Path, args: argparse.Namespace) -> Outcome:
     return out
 
 
+async def ask(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
+              ) -> tuple[int, str, bytes]:
+    """As `post`, with the whole X-Cache header (its reason too)."""
+    try:
+        async with session.post(url + PATH, json=body) as resp:
+            return resp.status, resp.headers.get("X-Cache", "-"), await resp.read()
+    except (aiohttp.ClientError, TimeoutError):
+        return 0, "ERROR", b""
+
+
+def p99_ms(times: list[float]) -> float:
+    """The 99th percentile in ms, as slowloris reports it."""
+    return sorted(times)[max(0, int(len(times) * 0.99) - 1)] * 1000 if times else float("inf")
+
+
+def metric(url: str, name: str, **labels: str) -> float | None:
+    """One sample of the proxy's /metrics, None when absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = http("GET", url + "/metrics")[2].decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return None
+
+
+def tcp_kernel_mib() -> float:
+    """Memory the kernel holds in TCP socket buffers, all sockets (/proc/net/sockstat)."""
+    for line in Path("/proc/net/sockstat").read_text().splitlines():
+        if line.startswith("TCP:"):
+            fields = line.split()
+            return int(fields[fields.index("mem") + 1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return float("nan")
+
+
+def unread(work: Path, args: argparse.Namespace) -> Outcome:
+    out = Outcome("unread", expected="RSS growth < 1 MiB per unread client; HIT p99 < 50 ms")
+    import socket
+
+    big = chat("Tell me about the fox.", n=args.unread_n, max_tokens=args.unread_tokens,
+               logprobs=True, top_logprobs=20, logit_bias=NO_EOS)
+    raw = json.dumps(big).encode()
+    request = (b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (PATH.encode(), len(raw), raw))
+    small = chat("What does the fox eat?", max_tokens=8)
+    with children() as procs:
+        proxy = in_process_proxy(procs, work, "--store", "memory://")
+        port = int(proxy.url.rsplit(":", 1)[1])
+
+        async def run() -> dict[str, Any]:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+                primed = [await post(s, proxy.url, big) for _ in range(2)]  # MISS, then HIT
+                await post(s, proxy.url, small)
+            if [p[1] for p in primed] != ["MISS", "HIT"]:
+                raise BenchError(f"the large answer was not stored: {[p[:2] for p in primed]}")
+            before = proc_usage(proxy.pid)[0]
+            socks = []
+            for _ in range(args.unread):  # each asks, and never reads past its 4 KiB buffer
+                sock = socket.socket()
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.connect(("127.0.0.1", port))
+                sock.sendall(request)
+                socks.append(sock)
+            answered = 0
+            for sock in socks:  # the status line arrived (peeked: still unread)
+                sock.settimeout(60)
+                answered += sock.recv(12, socket.MSG_PEEK) == b"HTTP/1.1 200"
+            peak, kernel = proc_usage(proxy.pid)[0], tcp_kernel_mib()
+            times, failed = [], 0
+            async with aiohttp.ClientSession() as s:  # one keep-alive connection
+                for _ in range(100):
+                    started = time.monotonic()
+                    status, cache, _ = await post(s, proxy.url, small)
+                    if status == 200 and cache == "HIT":
+                        times.append(time.monotonic() - started)
+                    else:
+                        failed += 1
+                    peak = max(peak, proc_usage(proxy.pid)[0])
+            held = proc_usage(proxy.pid)[0]
+            for sock in socks:
+                sock.close()
+            await asyncio.sleep(1.0)
+            after = proc_usage(proxy.pid)[0]
+            connections = json.loads(http("GET", proxy.url + "/health")[2])["connections"]
+            return {"answer_bytes": len(primed[1][2]), "answered": answered, "times": times,
+                    "failed": failed, "rss_before_mib": round(before, 1),
+                    "rss_peak_mib": round(peak, 1), "rss_held_mib": round(held, 1),
+                    "rss_after_mib": round(after, 1), "send_timeouts":
+                    connections.get("send_timeouts"), "tcp_kernel_held_mib": round(kernel, 1)}
+
+        figures = asyncio.run(run())
+    times = figures.pop("times")
+    out.sent, out.succeeded, out.failed = 100, len(times), figures.pop("failed")
+    growth = figures["rss_peak_mib"] - figures["rss_before_mib"]
+    out.extra = {**figures, "unread": args.unread, "p50_ms": round(
+        sorted(times)[len(times) // 2] * 1000, 2) if times else None,
+        "p99_ms": round(p99_ms(times), 2), "growth_per_client_mib": round(
+        growth / args.unread, 3)}
+    out.notes = (f"{args.unread} clients left a {figures['answer_bytes'] / 1e6:.1f} MB HIT "
+                 f"unread ({figures['answered']} began); VmRSS {figures['rss_before_mib']} MiB "
+                 f"before, peak {figures['rss_peak_mib']}, {figures['rss_after_mib']} after "
+                 f"they hung up ({growth:+.1f} MiB, {growth / args.unread:.3f} MiB per client);"
+                 f" HITs meanwhile p50 {out.extra['p50_ms']} ms, p99 {out.extra['p99_ms']} ms;"
+                 f" the kernel's TCP buffers held {figures['tcp_kernel_held_mib']} MiB")
+    out.ok = (figures["answered"] == args.unread and len(times) >= 99
+              and p99_ms(times) < 50 and growth < args.unread)
+    return out
+
+
+def _mount_failed(out: Outcome, exc: MountImpossible) -> Outcome:
+    print(f"  {out.scenario}: not run: {exc}", file=sys.stderr, flush=True)
+    out.notes, out.ok = f"not run: {exc}", False
+    return out
+
+
+async def _store_until_refused(url: str, limit: int, **extra: Any
+                               ) -> tuple[dict[str, str | None], list[tuple[int, str]]]:
+    """New prompts until one is not stored: (stored prompt -> answer, (status, X-Cache) of
+    every answer)."""
+    stored: dict[str, str | None] = {}
+    answers = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        for i in range(limit):
+            prompt = f"Tell me about the owl. ({i})"
+            status, cache, data = await ask(s, url, chat(prompt, **extra))
+            answers.append((status, cache))
+            if cache != "MISS":
+                break
+            stored[prompt] = content(data)
+    return stored, answers
+
+
+async def _again(url: str, prompts: list[str], **extra: Any) -> list[tuple[int, str, bytes]]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        return [await ask(s, url, chat(p, **extra)) for p in prompts]
+
+
+def _reread(out: Outcome, stored: dict[str, str | None],
+            answers: list[tuple[int, str, bytes]]) -> None:
+    """lost = stored entries not a HIT; corrupt = a HIT whose answer is not the stored one."""
+    out.lost += sum(1 for a in answers if a[1] != "HIT")
+    out.corrupt += sum(1 for a, first in zip(answers, stored.values(), strict=True)
+                       if a[1] == "HIT" and content(a[2]) != first)
+
+
+def disk_full(work: Path, args: argparse.Namespace) -> Outcome:
+    out = Outcome("disk-full", expected="every stored entry a HIT; new: MISS; reason=store-full")
+    entry = {"max_tokens": 32, "logprobs": True, "top_logprobs": 5}  # entries of ~10 KB
+    try:
+        with broken_disks.tmpfs(work / "tiny") as tiny, children() as procs:
+            proxy = in_process_proxy(procs, work, "--store", f"disk://{tiny}")
+            junk = broken_disks.fill(tiny, leave=args.disk_room)
+            stored, filling = asyncio.run(_store_until_refused(proxy.url, 2000, **entry))
+            free = broken_disks.free_bytes(tiny)
+            new = asyncio.run(_again(proxy.url, [f"What does the duck eat? ({i})"
+                                                 for i in range(args.pool)], **entry))
+            again = asyncio.run(_again(proxy.url, list(stored), **entry))
+            refused = metric(proxy.url, "cacheproxy_store_writes_refused", reason="store-full")
+            breaker = metric(proxy.url, "cacheproxy_store_breaker_open")
+    except MountImpossible as exc:
+        return _mount_failed(out, exc)
+    full = "MISS; reason=store-full"
+    answers = [*filling, *((a[0], a[1]) for a in new + again)]
+    out.sent = len(answers)
+    out.succeeded = sum(1 for a in answers if a[0] == 200)
+    out.failed = out.sent - out.succeeded
+    _reread(out, stored, again)
+    out.caches = dict(Counter(a[1] for a in answers))
+    refused_new = sum(1 for a in new if a[1] == full)
+    out.extra = {"junk_bytes": junk, "stored": len(stored), "free_bytes_at_refusal": free,
+                 "new_refused": refused_new, "writes_refused_metric": refused,
+                 "breaker_open": breaker}
+    out.notes = (f"1 MB tmpfs: {junk // 1024} KiB of junk, then {len(stored)} entries until "
+                 f"the store refused one ({free} bytes free); {len(stored)} re-read; "
+                 f"{refused_new}/{len(new)} new prompts '{full}'; "
+                 f"cacheproxy_store_writes_refused {refused}; breaker open {breaker}")
+    out.ok = (len(stored) > 0 and filling[-1][1] == full and out.lost == 0 and out.corrupt == 0
+              and refused_new == len(new) and out.failed == 0 and breaker == 0)
+    return out
+
+
+def read_only(work: Path, args: argparse.Namespace) -> Outcome:
+    out = Outcome("read-only", expected="stored entries HIT; new: MISS; reason=store-read-only")
+    store = "disk://{}"
+    try:
+        with broken_disks.tmpfs(work / "ro", size="8m") as ro:
+            with children() as procs:  # a writer stores, and stops cleanly
+                writer = in_process_proxy(procs, work, "--store", store.format(ro))
+                stored, _ = asyncio.run(_store_until_refused(writer.url, args.pool))
+                writer.kill(signal.SIGTERM)
+            broken_disks.remount(ro, "ro")
+            with children() as procs:
+                reader = in_process_proxy(procs, work, "--store", store.format(ro))
+                again = asyncio.run(_again(reader.url, list(stored)))
+                new = asyncio.run(_again(reader.url, [f"What does the duck eat? ({i})"
+                                                      for i in range(args.pool)]))
+                alive = reader.proc.poll() is None
+                logged = "disk_store_read_only" in reader.log.read_text(errors="replace")
+            broken_disks.remount(ro, "rw")  # a writer killed: the last entries in its WAL
+            with children() as procs:
+                writer = in_process_proxy(procs, work, "--store", store.format(ro))
+                wal_only = asyncio.run(_again(writer.url, [f"What does the cat eat? ({i})"
+                                                           for i in range(args.pool)]))
+                writer.kill(signal.SIGKILL)
+            broken_disks.remount(ro, "ro")
+            with children() as procs:
+                reader = in_process_proxy(procs, work, "--store", store.format(ro))
+                after_kill = asyncio.run(_again(reader.url, [f"What does the cat eat? ({i})"
+                                                             for i in range(args.pool)]))
+                again_after_kill = asyncio.run(_again(reader.url, list(stored)))
+    except MountImpossible as exc:
+        return _mount_failed(out, exc)
+    read_only_miss = "MISS; reason=store-read-only"
+    answers = again + new + after_kill + again_after_kill
+    out.sent = len(answers)
+    out.succeeded = sum(1 for a in answers if a[0] == 200)
+    out.failed = out.sent - out.succeeded
+    _reread(out, stored, again)
+    _reread(out, stored, again_after_kill)
+    wal_hits = sum(1 for a in after_kill if a[1] == "HIT")
+    out.corrupt += sum(1 for a, b in zip(after_kill, wal_only, strict=True)
+                       if a[1] == "HIT" and content(a[2]) != content(b[2]))
+    out.caches = dict(Counter(a[1] for a in answers))
+    refused_new = sum(1 for a in new if a[1] == read_only_miss)
+    out.extra = {"stored": len(stored), "new_refused": refused_new, "alive": alive,
+                 "logged_read_only": logged, "wal_only_entries": len(wal_only),
+                 "wal_only_hits": wal_hits}
+    out.notes = (f"{len(stored)} entries stored, tmpfs remounted ro: re-read {len(again)}, "
+                 f"{refused_new}/{len(new)} new '{read_only_miss}', alive {alive}, "
+                 f"disk_store_read_only logged {logged}; then {len(wal_only)} more stored by a "
+                 f"writer SIGKILLed (in its WAL) and remounted ro: {wal_hits}/{len(wal_only)} "
+                 f"HIT, the first {len(stored)} re-read again")
+    out.ok = (out.failed == 0 and out.lost == 0 and out.corrupt == 0 and alive and logged
+              and refused_new == len(new))
+    return out
+
+
+def corrupt_db(work: Path, args: argparse.Namespace) -> Outcome:
+    out = Outcome("corrupt", expected="all answered; quarantined, healed; 0 wrong served")
+    directory = work / "store"
+    database = directory / broken_disks.DB_FILENAME
+    prompts = [f"Where does the {a} live? ({i})" for i, a in
+               enumerate(["fox", "owl", "cat", "dog", "bear"] * (args.pool // 5 or 1))]
+    with children() as procs:
+        proxy = in_process_proxy(procs, work, "--store", f"disk://{directory}")
+        first = asyncio.run(_again(proxy.url, prompts))
+        expected = {p: content(a[2]) for p, a in zip(prompts, first, strict=True)}
+        broken_disks.checkpoint(database)
+        damaged = [broken_disks.corrupt(database, seed=1)]  # under the serving proxy
+        during = asyncio.run(_again(proxy.url, prompts))
+        healed = asyncio.run(_again(proxy.url, prompts))
+        quarantined_serving = len(broken_disks.quarantined(directory))
+        proxy.kill(signal.SIGTERM)  # (a clean stop: the pages leave the WAL)
+        damaged.append(broken_disks.corrupt(database, seed=2))  # then started on it
+        proxy = restart(procs, proxy)
+        at_start = asyncio.run(_again(proxy.url, prompts))
+        healed_again = asyncio.run(_again(proxy.url, prompts))
+        quarantined = len(broken_disks.quarantined(directory))
+        logged = proxy.log.read_text(errors="replace").count("disk_store_quarantined")
+    answers = during + healed + at_start + healed_again
+    out.sent = len(answers)
+    out.succeeded = sum(1 for a in answers if a[0] == 200)
+    out.failed = out.sent - out.succeeded
+    out.corrupt = sum(1 for a, p in zip(answers, prompts * 4, strict=True)
+                      if a[0] == 200 and content(a[2]) != expected[p])
+    out.lost = sum(1 for a in healed + healed_again if a[1] != "HIT")
+    out.caches = dict(Counter(a[1] for a in answers))
+    out.extra = {"entries": len(prompts), "damaged_bytes": damaged, "quarantined": quarantined,
+                 "quarantined_while_serving": quarantined_serving, "log_lines": logged,
+                 "during": dict(Counter(a[1] for a in during)),
+                 "at_start": dict(Counter(a[1] for a in at_start))}
+    out.notes = (f"{len(prompts)} entries; pages overwritten ({damaged[0] // 1024} KiB) under "
+                 f"the serving proxy: next asks {out.extra['during']}, then "
+                 f"{dict(Counter(a[1] for a in healed))}; again while stopped "
+                 f"({damaged[1] // 1024} KiB), restarted: {out.extra['at_start']}, then "
+                 f"{dict(Counter(a[1] for a in healed_again))}; {quarantined} files "
+                 "quarantined; wrong = an answer not the one first generated")
+    out.ok = (out.failed == 0 and out.corrupt == 0 and out.lost == 0
+              and quarantined_serving >= 1 and quarantined >= 2)
+    return out
+
+
 SCENARIOS: dict[str, Callable[[Path, argparse.Namespace], Outcome]] = {
     "redis-restart": redis_restart, "proxy-sigkill": proxy_sigkill,
     "runner-killed": runner_killed, "disconnects": disconnects, "hostile": hostile_requests,
-    "soak": soak, "slowloris": slowloris,
+    "soak": soak, "slowloris": slowloris, "unread": unread, "disk-full": disk_full,
+    "read-only": read_only, "corrupt": corrupt_db,
 }
 
 
@@ -559,6 +862,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--storm", type=int, default=100, help="disconnecting streaming clients")
     p.add_argument("--storm-tokens", type=int, default=64)
     p.add_argument("--slowloris", type=int, default=1000, help="connections trickling headers")
+    p.add_argument("--unread", type=int, default=100, help="clients that never read")
+    p.add_argument("--unread-n", type=int, default=16, help="choices of the unread answer")
+    p.add_argument("--unread-tokens", type=int, default=500, help="tokens of the unread answer")
+    p.add_argument("--disk-room", type=int, default=384 << 10,
+                   help="bytes the junk file leaves free on the 1 MB tmpfs for entries")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds each")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -566,6 +874,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.soak_seconds, args.fault_seconds, args.hostile, args.pool = 4.0, 3.0, 150, 10
         args.victims, args.storm, args.storm_tokens = 3, 12, 32
         args.slowloris = 50
+        args.unread, args.unread_n, args.unread_tokens, args.disk_room = 20, 8, 100, 64 << 10
     args.only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(args.only) - set(SCENARIOS)
     if unknown:
