@@ -50,7 +50,7 @@ async def _complete(request: web.Request, endpoint: Route) -> web.StreamResponse
             memo_key = (endpoint, scope, raw) if control is None else None
             return _stored_hit(request, answer, proxy, memo_key)
         case Flowing():
-            return await _flowing(request, answer, proxy)
+            return await _flowing(request, answer, proxy.options.ttl)
         case _:
             assert_never(answer)
 
@@ -186,12 +186,11 @@ def _hit_template(proxy: CachingProxy, hit: Stored) -> Template:
     return proxy.memos.templates.get(memo_key, record, draw)
 
 
-async def _flowing(request: web.Request, answer: Flowing, proxy: CachingProxy
+async def _flowing(request: web.Request, answer: Flowing, ttl: float | None
                    ) -> web.StreamResponse:
     """An answer through a flight: relayed live (stream) or sent once it ends."""
     info = request[CACHE_LOG] = _log_fields(answer.status, answer.reason, answer.key.short,
                                             answer.parsed.request.model)
-    ttl = proxy.options.ttl
     frame = _frame(answer.parsed, answer.fingerprint, answer.key, request.app[IDS].next(
         answer.parsed.delivery.api), int(time.time()), cached=answer.status is CacheStatus.HIT)
     flight = answer.flight
@@ -211,7 +210,7 @@ async def _flowing(request: web.Request, answer: Flowing, proxy: CachingProxy
         frame = _prefilled(frame, flight, headers, info)
         headers["Content-Type"] = JSON
         response = Rendered(header_lines(headers.items()),
-                            _generated_body(proxy, answer, frame, output))
+                            _generated_body(flight, frame, output))
     if flight.output is not None:
         info["tokens"] = flight.output.completion_tokens
         if answer.status is not CacheStatus.COALESCED and flight.generation_ms is not None:
@@ -229,18 +228,16 @@ def _stored_or_why(answer: Flowing, info: dict[str, Any]) -> Reason:
     return why
 
 
-def _generated_body(proxy: CachingProxy, answer: Flowing, frame: render.Frame,
-                    output: Output) -> Body:
+def _generated_body(flight: Flight, frame: render.Frame, output: Output) -> Body:
     """A whole answer of a flight, rendered once for all its readers of one delivery (the
     id and time filled per reader): a hundred followers of a large answer cost one
     rendering, and share its bytes while they are sent."""
-    marked = dataclasses.replace(frame, id=ID_MARK, created=CREATED_MARK)
-
-    def draw() -> Template:
-        return Template(orjson.dumps(_body_of(marked, output)), JSON)
-
-    memo_key = ("flight", answer.key, frame.delivery, frame.logprobs, frame.cached)
-    template = proxy.memos.templates.get(memo_key, output, draw)
+    memo_key = (frame.delivery, frame.logprobs, frame.cached)
+    template = flight.rendered.get(memo_key)
+    if template is None:
+        marked = dataclasses.replace(frame, id=ID_MARK, created=CREATED_MARK)
+        template = Template(orjson.dumps(_body_of(marked, output)), JSON)
+        flight.rendered[memo_key] = template
     fill = template.pieces if template.large else template.fill
     return fill(frame.id, frame.created)
 
