@@ -164,7 +164,7 @@ def main() -> int:
     (args.out / "bench_prefix.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"{result['model']}, prefill step {result['prefill_step']}, {result['blas']} BLAS; "
           f"{result['bytes_per_token']} bytes per saved token; "
-          f"{result['prefix_entries']} saved states, {result['prefix_bytes']} bytes")
+          f"{result['prefix_entries']} saved chunks, {result['prefix_bytes']} bytes")
     print("| turn | prompt | reused | TTFT on (ms) | TTFT off (ms) | speed-up | "
           "total on (ms) | total off (ms) | identical |\n"
           "|---:|---:|---:|---:|---:|---:|---:|---:|---|")

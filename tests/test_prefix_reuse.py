@@ -257,15 +257,33 @@ def test_the_store_finds_the_longest_saved_prefix() -> None:
 
 
 def test_a_saved_chunk_is_its_own_copy_of_the_cache() -> None:
+    """A chunk holds its own buffer, not a view that would keep the whole cache alive."""
     import mlx.core as mx
 
+    store = PrefixStore(step=4, max_bytes=1 << 30)
+    ids = list(range(4096 + 1))
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    big = mx.arange(8 * 4096 * 64, dtype=mx.float32).reshape(1, 8, 4096, 64)  # 8 MiB
+    mx.eval(big)
+    store.put(ids[:5], store.chain(ids, 4), [(big, big)])
+    del big
+    mx.clear_cache()
+    assert mx.get_active_memory() - before < 1 << 20, "the saved chunk keeps the cache's buffer"
+    (chunk,) = store.longest(ids, store.chain(ids, 4))
+    expected = mx.arange(8 * 4096 * 64, dtype=mx.float32).reshape(1, 8, 4096, 64)[..., :4, :]
+    assert mx.array_equal(chunk.layers[0][0], expected).item()
+    assert chunk.layers[0][0].shape == (1, 8, 4, 64)
+
+
+def test_a_hash_collision_never_stores_over_other_tokens() -> None:
     store = PrefixStore(step=4, max_bytes=1 << 20)
-    a = list(range(9))
-    layers = [(mx.arange(2 * 8 * 4, dtype=mx.float32).reshape(1, 2, 8, 4),) * 2]
-    store.put(a, store.chain(a, 8), layers)
-    second = store.longest(a, store.chain(a, 8))[1]
-    assert mx.array_equal(second.layers[0][0], layers[0][0][..., 4:8, :]).item()
-    assert second.layers[0][0].shape == (1, 2, 4, 4)
+    a, b = [1, 2, 3, 4, 5], [9, 9, 9, 9, 5]
+    store.put(a, store.chain(a, 4), _layers(4))
+    store.put(b, store.chain(a, 4), _layers(4, fill=1.0))  # b's tokens under a's hash
+    assert len(store) == 1 and store.bytes == CHUNK
+    (kept,) = store.longest(a, store.chain(a, 4))
+    assert kept.ids == array("q", a[:4]).tobytes()
 
 
 def test_a_hash_collision_never_reuses_other_tokens() -> None:

@@ -139,7 +139,7 @@ async function refresh() {
   set("lane", `${s.lane.busy ? "busy" : "idle"}, ${s.lane.queued} queued`);
   set("generations", s.generations);
   const saved = s.lane.prefix_entries === undefined ? "prefix reuse off"
-    : `${s.lane.prefix_entries} saved prefixes, ${s.lane.prefix_bytes} bytes`;
+    : `${s.lane.prefix_entries} saved chunks, ${s.lane.prefix_bytes} bytes`;
   set("prefill", `${s.prefill.reused} of ${s.prefill.tokens} tokens reused; ${saved}`);
   const rows = s.per_minute.map(m => `<tr><td>${new Date(m.minute * 1000)
     .toISOString().slice(11, 16)}</td><td>${m.HIT || 0}</td><td>${m.MISS || 0}</td>

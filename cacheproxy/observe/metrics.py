@@ -236,9 +236,9 @@ class Metrics:
         self.queue_depth = Gauge("cacheproxy_lane_queue_depth",
                                  "Generations waiting for or running on the lane", registry=r)
         self.prefix_entries = Gauge("cacheproxy_prefix_entries",
-                                    "Saved prefix states (exact prefix reuse, in-process)",
+                                    "Saved prefix chunks (exact prefix reuse, in-process)",
                                     registry=r)
-        self.prefix_bytes = Gauge("cacheproxy_prefix_bytes", "Bytes of the saved prefix states",
+        self.prefix_bytes = Gauge("cacheproxy_prefix_bytes", "Bytes of the saved prefix chunks",
                                   registry=r)
         self.invalidation = Gauge("cacheproxy_invalidation_events",
                                   "Reloads, fingerprint changes and purges", ["event"],

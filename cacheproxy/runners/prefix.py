@@ -109,6 +109,8 @@ class PrefixStore:
         kept = len(self.longest(ids, chain))
         path = sum(c.nbytes for c in (self._chunks[h] for h in chain[:kept]))
         for i in range(kept, len(chain)):
+            if chain[i] in self._chunks:
+                break  # other tokens under this hash (a collision): leave them, save no more
             start, end = i * self.step, (i + 1) * self.step
             cut = tuple((mx.contiguous(k[..., start:end, :]), mx.contiguous(v[..., start:end, :]))
                         for k, v in layers)
@@ -132,8 +134,7 @@ class PrefixStore:
             self._chunks.move_to_end(h)
 
     def _evict(self) -> None:
-        key, chunk = self._chunks.popitem(last=False)
-        assert chunk.children == 0, "the least recent chunk is always a leaf"
+        _, chunk = self._chunks.popitem(last=False)  # a leaf: see the class's docstring
         self.bytes -= chunk.nbytes
         if chunk.parent in self._chunks:
             self._chunks[chunk.parent].children -= 1
