@@ -18,6 +18,7 @@ from aiohttp.test_utils import TestServer
 
 from backends import open_backend
 from backends.base import Backend, NamespaceStats
+from backends.tiered import TieredBackend
 from cacheproxy.cli.serve import build_app
 from cacheproxy.cli.settings import Settings
 from cacheproxy.edge.state import INVALIDATOR, PROXY
@@ -378,6 +379,31 @@ async def test_replicas_renewing_at_once_on_redis_lose_no_lease(
     finally:
         for store in stores:
             await store.aclose()
+
+
+async def test_a_tiered_replica_never_renews_from_its_stale_l1_copy_of_the_registry(
+    start_redis: StartServer,
+) -> None:
+    """On tiered+redis the record is read in Redis, under the lock: a replica whose L1 holds
+    an old copy (untracked, or the notice of the change still on its way) still keeps the
+    other replica's lease. (The stale copy is put into L1 by hand: no real part holds one on
+    cue.)"""
+    url = f"{start_redis().url}/0"
+    a_store, b_store = open_backend(f"tiered+{url}"), open_backend(f"tiered+{url}")
+    assert isinstance(a_store, TieredBackend)
+    try:
+        a, b = Registry(a_store), Registry(b_store)
+        await a.observe(FINGERPRINT_A, replica="ra", lease_ttl=30)
+        stale = await a_store.l2.get(REGISTRY_KEY)
+        assert stale is not None
+        await b.observe(FINGERPRINT_A, replica="rb", lease_ttl=30)
+        await a_store.l1.set(REGISTRY_KEY, stale)
+        await a.observe(FINGERPRINT_A, replica="ra", lease_ttl=30)
+        leases = (await Registry(b_store).load())[FINGERPRINT_A.digest].leases
+        assert sorted(leases) == ["ra", "rb"]
+    finally:
+        await a_store.aclose()
+        await b_store.aclose()
 
 
 async def test_an_unreadable_registry_does_not_stop_a_release_or_a_newer_records_fields(

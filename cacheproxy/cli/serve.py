@@ -95,12 +95,13 @@ async def _parts(settings: Settings, runner: Runner | None, store: Backend | Non
     runners = [runner] if runner is not None else build_runners(settings)
     served: list[tuple[CachingProxy, Invalidator]] = []
     started: list[Runner] = []
+    registry_lock = asyncio.Lock()  # one registry change at a time among the models
     try:
         for the_runner in runners:
             if runner is None:
                 await the_runner.start()
                 started.append(the_runner)
-            served.append(await _serve_model(settings, the_runner, the_store))
+            served.append(await _serve_model(settings, the_runner, the_store, registry_lock))
         yield served
     finally:
         for proxy, invalidator in served:
@@ -113,11 +114,12 @@ async def _parts(settings: Settings, runner: Runner | None, store: Backend | Non
             await the_runner.aclose()
 
 
-async def _serve_model(settings: Settings, runner: Runner, store: Backend
-                       ) -> tuple[CachingProxy, Invalidator]:
+async def _serve_model(settings: Settings, runner: Runner, store: Backend,
+                       registry_lock: asyncio.Lock) -> tuple[CachingProxy, Invalidator]:
     invalidator = Invalidator(runner, store, policy=settings.invalidation,
                               reload_wait=settings.reload_wait,
-                              lease_ttl=settings.lease_ttl, grace=settings.supersede_grace)
+                              lease_ttl=settings.lease_ttl, grace=settings.supersede_grace,
+                              registry_lock=registry_lock)
     await invalidator.start(watch_interval=settings.watch_interval if settings.watch else None)
     if isinstance(runner, UpstreamRunner):  # it sees engine changes by itself
         runner.on_fingerprint_change = invalidator.fingerprint_changed

@@ -22,7 +22,7 @@ from cacheproxy.keys.canonical import CanonicalRequest
 from cacheproxy.keys.fingerprint import Fingerprint
 from cacheproxy.keys.key import make_key
 from cacheproxy.service.cassette import open_store
-from cacheproxy.service.namespaces import REGISTRY_KEY, Namespace, Registry
+from cacheproxy.service.namespaces import REGISTRY_KEY, Registry
 
 
 async def _keys(store: Backend, prefix: str) -> list[str]:
@@ -111,10 +111,4 @@ async def import_(path: Path, url: str, *, current: Fingerprint, as_current: boo
 async def _register(store: Backend, current: Fingerprint) -> None:
     """Register the serving namespace, which every imported entry is in by now (without
     superseding any other)."""
-    registry = Registry(store)
-    namespaces = await registry.load()
-    if current.digest not in namespaces:
-        now = time.time()
-        namespaces[current.digest] = Namespace(current.digest, current.model_id,
-                                               current.fields(), now, now, "current")
-    await registry.save(namespaces)
+    await Registry(store).register(current)

@@ -139,8 +139,8 @@ def print_report(report: Report, *, as_json: bool, out: TextIO = sys.stdout) -> 
         print(json.dumps(data, indent=2, ensure_ascii=False), file=out)
         return
     print(f"verified {report.checked} entries of namespace {report.namespace} against model "
-          f"{report.model} (runner {report.runner_fingerprint}): exact-match rate {report.exact_match_rate:.1%} "
-          f"({report.matched}/{report.checked})", file=out)
+          f"{report.model} (runner {report.runner_fingerprint}): exact-match rate "
+          f"{report.exact_match_rate:.1%} ({report.matched}/{report.checked})", file=out)
     for m in report.mismatches:
         where = "" if m.first_diverging_token is None else \
             f" at token {m.first_diverging_token}"

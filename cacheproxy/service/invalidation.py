@@ -63,12 +63,14 @@ class Invalidator:
         lease_ttl: float = 30.0,
         grace: float = 60.0,
         clock: Callable[[], float] = time.time,
+        registry_lock: asyncio.Lock | None = None,
     ) -> None:
         self._runner = runner
         self._store = store
         self._policy = policy
         self._reload_wait = reload_wait
-        self.registry = Registry(store, clock=clock)
+        # (the models of one process share the lock: their registry changes go one at a time)
+        self.registry = Registry(store, clock=clock, lock=registry_lock)
         # This replica's lease on the namespace it serves (renewed every third of it).
         self.replica = uuid.uuid4().hex[:16]
         self._lease_ttl = lease_ttl

@@ -14,7 +14,8 @@ grace period.
 
 Every change is a read-modify-write of one record; on a store with locks (Redis, tiered)
 it is made under the store's lock on the record, so two replicas renewing at once never
-lose one another's lease or supersession.
+lose one another's lease or supersession. On a tiered store the record is read and written
+in the shared tier only: a replica's L1 copy of it may be stale.
 """
 
 from __future__ import annotations
@@ -22,20 +23,19 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from backends.base import Backend, BackendError, DistributedLock, NamespaceStats
+from backends.tiered import TieredBackend
 from cacheproxy.keys import codec
 from cacheproxy.keys.fingerprint import Fingerprint
 from cacheproxy.service.fleet import lock_name
 
 REGISTRY_KEY = "_registry"  # not a namespace: namespaces are 32 hex digits
 REGISTRY_LOCK_TTL = 5.0  # far longer than one read-modify-write; a dead holder's lapses
-_LOCAL: weakref.WeakKeyDictionary[Backend, asyncio.Lock] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,17 +81,19 @@ class Registry:
     """Read and update the registry record; every change is one read-modify-write, under
     the store's lock where it has one."""
 
-    def __init__(self, store: Backend, *, clock: Callable[[], float] = time.time) -> None:
-        self._store = store
+    def __init__(self, store: Backend, *, clock: Callable[[], float] = time.time,
+                 lock: asyncio.Lock | None = None) -> None:
+        self._store = store.l2 if isinstance(store, TieredBackend) else store
         self._clock = clock
+        # The models of one process (an invalidator each) share one lock: one change at a time.
+        self._local = lock or asyncio.Lock()
 
     @asynccontextmanager
     async def _exclusive(self) -> AsyncIterator[None]:
         """Hold the store's lock on the record for one read-modify-write (a store without
         locks is one process's, or a disk store whose writers are few and far between)."""
         store = self._store
-        # The models of one process (one invalidator each) share the store: one at a time.
-        async with _LOCAL.setdefault(store, asyncio.Lock()):
+        async with self._local:
             if not isinstance(store, DistributedLock):
                 yield
                 return
@@ -183,6 +185,16 @@ class Registry:
             leases = {r: t for r, t in ns.leases.items() if r != replica}
             namespaces[digest] = replace(ns, leases=leases,
                                          served_until=0.0 if replaced else now)
+            await self.save(namespaces)
+
+    async def register(self, current: Fingerprint) -> None:
+        """Register `current` if it is not yet (imported entries), superseding nothing."""
+        async with self._exclusive():
+            namespaces = await self.load()
+            if current.digest not in namespaces:
+                now = self._clock()
+                namespaces[current.digest] = Namespace(current.digest, current.model_id,
+                                                       current.fields(), now, now, "current")
             await self.save(namespaces)
 
     async def report(self) -> list[NamespaceReport]:
