@@ -303,17 +303,26 @@ class DiskBackend:
 
     def _flush_touches(self) -> None:
         """Write the recorded recencies in one transaction; on failure drop them (recency
-        is a hint for eviction: reads go on, from a full disk too)."""
+        is a hint for eviction: reads go on, from a full disk too). It never waits for
+        another connection's write lock (a purge's, here or in `cacheproxy purge`): the
+        GETs queued behind it on this thread waited with it, 10 ms-1.3 s at a time while a
+        purge held the lock batch after batch (#18 cost curves); a locked database drops
+        them too."""
         touched, self._touched = self._touched, {}
-        if not touched or self._conn is None:
+        conn = self._conn
+        if not touched or conn is None:
             return
         try:
-            with _transaction(self._conn):
-                self._conn.executemany(
+            conn.execute("PRAGMA busy_timeout = 0")
+            with _transaction(conn):
+                conn.executemany(
                     "UPDATE entries SET accessed_at = ? WHERE key = ? AND accessed_at < ?",
                     [(t, k, t) for k, t in touched.items()])
         except (sqlite3.Error, OSError):
             self.touches_dropped += len(touched)
+        finally:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute(f"PRAGMA busy_timeout = {int(_BUSY_TIMEOUT_S * 1000)}")
 
     def _set(self, conn: sqlite3.Connection, key: str, value: bytes,
              expires_at: float | None, now: float) -> None:

@@ -652,6 +652,35 @@ class TestDiskBackend:
         finally:
             await store.aclose()
 
+    async def test_recencies_never_wait_for_another_writers_lock(
+        self, tmp_path: Path, clock: FakeClock
+    ) -> None:
+        """(#18 cost curves) The recencies a read records are written on the store's one
+        thread, ahead of the next reads: waiting there for a purge's write lock (the busy
+        timeout, 5 s) held every GET behind it, 10 ms-1.3 s at a time during a 1M purge. A
+        locked database drops them, at once; writes still wait for the lock."""
+        store = DiskBackend(tmp_path, clock=clock)
+        other = sqlite3.connect(tmp_path / DB_FILENAME, isolation_level=None)
+        try:
+            for i in range(300):
+                await store.set(f"ns/{i}", b"v")
+            clock.advance(TOUCH_FLUSH_EVERY)
+            other.execute("BEGIN IMMEDIATE")  # a purge's batch, say, holds the write lock
+            started = time.monotonic()
+            for i in range(300):  # 256 recencies make a flush, the next job on the thread
+                assert await store.get(f"ns/{i}") == b"v"
+            assert await store.get("ns/0") == b"v"  # (queued behind that flush)
+            assert time.monotonic() - started < 1.0
+            assert store.touches_dropped >= 256
+            writing = asyncio.create_task(store.set("ns/new", b"v"))
+            await asyncio.sleep(0.2)
+            other.execute("COMMIT")
+            await writing  # the busy timeout is back for writes: it waited, then wrote
+            assert await store.get("ns/new") == b"v"
+        finally:
+            other.close()
+            await store.aclose()
+
     async def test_a_read_only_store_serves_what_it_holds(self, tiny_disk: Path) -> None:
         """(#19) A store on a file system remounted read-only: its entries are read (no
         SIGBUS, no 'unable to open database file'), new ones refused as store errors."""
