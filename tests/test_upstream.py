@@ -28,7 +28,7 @@ from structlog.testing import capture_logs
 
 from backends import open_backend
 from backends.base import Backend
-from cacheproxy.cli.serve import build_app
+from cacheproxy.cli.serve import build_app, build_runners
 from cacheproxy.cli.settings import Settings, build_settings
 from cacheproxy.edge.state import INVALIDATOR, PROXY
 from cacheproxy.keys.canonical import parse
@@ -659,6 +659,12 @@ def test_settings_tie_each_upstream_pool_to_its_model_directory() -> None:
         build_settings({"model_dir": ["a=/m/1", "a=/m/2"], "upstream": ["a=http://a:1"]}, {})
     with pytest.raises(ValueError, match="--model is for the in-process runner"):
         build_settings({**flags, "model": ["x=/m/x"]}, {})
+    with pytest.raises(ValueError, match="--model-id 'zzz' names none of the models served"):
+        build_settings({**flags, "model_id": "zzz"}, {})
+    with pytest.raises(ValueError, match="--model-id 'c' names none"):  # in-process alike
+        build_settings({"model": ["a=/x", "b=/y"], "model_id": "c"}, {})
+    home = build_settings({"model_dir": ["~/m"], "upstream": ["http://a:1"]}, {})
+    assert str(build_runners(home)[0].model_dir) == str(Path("~/m").expanduser())
 
 
 async def test_two_models_each_on_its_own_upstream_pool(

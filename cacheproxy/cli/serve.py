@@ -70,7 +70,7 @@ def build_runners(settings: Settings) -> list[Runner]:
 
 def _upstream_runner(settings: Settings, pool: UpstreamPool) -> UpstreamRunner:
     return UpstreamRunner(UpstreamOptions(
-        urls=pool.urls, model_dir=Path(pool.model_dir), model_id=pool.model_id,
+        urls=pool.urls, model_dir=Path(pool.model_dir).expanduser(), model_id=pool.model_id,
         queue_size=settings.queue_size, default_max_tokens=settings.default_max_tokens,
         max_tokens_cap=settings.max_tokens_cap, device_scope=settings.device_scope,
         digest_memo=Path(settings.digest_memo), timeout=settings.upstream_timeout))

@@ -244,6 +244,11 @@ def validate(settings: Settings) -> None:
         raise ValueError("--upstream needs --model-dir: the model directory the upstream serves")
     if settings.model_dir and not settings.upstream:
         raise ValueError("--model-dir is for --upstream; the in-process runner takes --model")
+    names = [pool.model_id for pool in settings.upstream_pools] if settings.upstream else \
+        [name for name, _ in served]
+    if settings.model_id and settings.model_id not in names:
+        raise ValueError(f"--model-id {settings.model_id!r} names none of the models served "
+                         f"({', '.join(names)})")
     if settings.upstream:
         if len(served) > 1 or settings.model != str(BUNDLED_MODEL):
             raise ValueError("--model is for the in-process runner; upstream mode serves the "
