@@ -261,11 +261,20 @@ def test_force_greedy_rewrites_sampling_to_greedy(
         {"metadata": {"team": "x"}, "store": False, "service_tier": "auto"},
         {"parallel_tool_calls": None, "prompt_cache_key": "k", "safety_identifier": "s"},
         {"prediction": {"type": "content", "content": "x"}, "prompt_cache_retention": "24h"},
+        {"prompt_cache_options": {"retention": "24h"}},
         {"tools": [], "tool_choice": None, "response_format": None},
     ],
 )
 def test_delivery_and_passed_fields_share_a_key(delivery: dict[str, Any]) -> None:
     assert key({**CHAT, **delivery}) == key(CHAT)
+
+
+def test_responses_pass_the_same_fields_as_chat() -> None:
+    from cacheproxy.keys.responses import translate
+
+    chat, _ = translate({"input": "Hi", "prompt_cache_retention": "24h", "user": "u",
+                         "prompt_cache_options": {"retention": "24h"}, "metadata": {"a": "b"}})
+    assert key(chat) == key({"messages": [{"role": "user", "content": "Hi"}]})
 
 
 @pytest.mark.parametrize(("endpoint", "extra"), [

@@ -183,18 +183,18 @@ def _logprobs(body: Mapping[str, Any], endpoint: Endpoint) -> tuple[bool, int]:
 # one that changes nothing in the answer (passed: never keyed). Any other is a 400 naming it:
 # a parameter is never dropped without a word (mlx_lm.server's own extras, such as
 # `repetition_context_size` or `xtc_probability`, would change the answer).
-_PASSED = frozenset({"user", "metadata", "service_tier", "safety_identifier",
-                     "prompt_cache_key", "prompt_cache_retention", "prediction", "store"})
+PASSED = frozenset({"user", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
+                    "prompt_cache_retention", "prompt_cache_options", "prediction", "store"})
 _COMMON = frozenset({"model", "max_tokens", "stream", "stream_options", "temperature", "top_p",
                      "top_k", "min_p", "seed", "n", "logprobs", "stop", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "logit_bias"})
 _KNOWN: dict[str, frozenset[str]] = {
-    "chat": _COMMON | _PASSED | {
+    "chat": _COMMON | PASSED | {
         "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
         "parallel_tool_calls", "functions", "function_call", "chat_template_kwargs",
         "reasoning_effort", "response_format", "audio", "web_search_options", "verbosity",
         "modalities"},
-    "completions": _COMMON | _PASSED | {
+    "completions": _COMMON | PASSED | {
         "prompt", "best_of", "echo", "suffix", "tools", "functions", "tool_choice",
         "function_call", "parallel_tool_calls", "chat_template_kwargs", "response_format"},
 }

@@ -28,12 +28,11 @@ import orjson
 from cacheproxy.errors import InvalidRequest, Unsupported
 from cacheproxy.keys import fields
 from cacheproxy.keys import tools as tooling
-from cacheproxy.keys.canonical import Parsed, RunnerDefaults, parse
+from cacheproxy.keys.canonical import PASSED, Parsed, RunnerDefaults, parse
 from policies.sampling import SamplingMode
 
 # Fields that change nothing in the answer: echoed (or not), never keyed.
-_PASSED = frozenset({"model", "stream", "stream_options", "metadata", "user", "service_tier",
-                     "safety_identifier", "prompt_cache_key", "include", "truncation"})
+_PASSED = PASSED | {"model", "stream", "stream_options", "include", "truncation"}
 _TRANSLATED = frozenset({"input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
                          "max_output_tokens", "temperature", "top_p", "reasoning", "text",
                          "chat_template_kwargs", "store"})
