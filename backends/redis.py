@@ -200,9 +200,18 @@ class RedisBackend:
             await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def purge_namespace(self, namespace: str) -> int:
-        """SCAN "<namespace>/*" on every primary and UNLINK in batches; return the count."""
+        """SCAN "<namespace>/*" on every primary and UNLINK in small, paced steps (on a
+        single server, on a connection of the purge's own); return the count."""
         async with self._guard:
-            return await redis_keyspace.purge_namespace(self._client, namespace)
+            if self._lane is None:
+                return await redis_keyspace.purge_namespace(self._client, namespace)
+            lane = self._lane.sibling()
+            try:
+                return await redis_keyspace.purge_on_lane(lane, namespace)
+            except LaneError as exc:
+                raise BackendError(f"{self!r}: {exc}") from exc
+            finally:
+                lane.close()
 
     async def scan_page(self, prefix: str, *, cursor: str = "",
                         limit: int = 1000) -> tuple[list[str], str]:

@@ -4,8 +4,8 @@ Measured here, redis-py's asyncio client spends ~150 µs of CPU per GET (pool ch
 command packing, its reply parser); GETs written back to back on one connection, their
 replies parsed by hiredis and matched in order, cost ~20-30 µs. The GETs of one turn of
 the event loop go out in one write. Only GET goes this way, on single servers over TCP
-(plain or TLS) or a Unix socket; everything else (writes, leases, pub/sub, scans, clusters)
-stays on redis-py.
+(plain or TLS) or a Unix socket, and a purge's SCAN and UNLINK, on a lane of their own
+(`call`); everything else (writes, leases, pub/sub, listing, clusters) stays on redis-py.
 
 Deadlines: a caller waits at most `timeout` for its reply. The connection is closed (and
 the next call opens another) when its oldest unanswered command is `dead_after` timeouts
@@ -172,6 +172,22 @@ class GetLane:
                 raise LaneError(f"PTTL answered {pttl!r}")
             return _value(value), pttl
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def call(self, *parts: bytes) -> object:
+        """One command's reply, not retried; LaneError on any failure or error reply. For
+        the store's own background work on a lane of its own (a purge's SCAN and UNLINK)."""
+        replies = self._replies
+        if replies is None or replies.transport is None:
+            replies = await self._connect()
+        reply = await self._send(replies, command(*parts))
+        if isinstance(reply, hiredis.ReplyError):
+            raise LaneError(f"the server answered: {reply}")
+        return reply
+
+    def sibling(self) -> GetLane:
+        """A lane of its own (another connection) to the same server, same deadlines."""
+        return GetLane(self._address, timeout=self._timeout,
+                       connect_timeout=self._connect_timeout)
 
     def close(self) -> None:
         """Drop the connection (waiting callers get LaneError); later calls raise."""

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from backends import BackendError, RedisBackend, listing, open_backend
-from backends.redis_keyspace import _PAGE_SCANS
+from backends.redis_keyspace import _PAGE_SCANS, _PURGE_REST, _PURGE_STEP
 from tests.conftest_redis import StartServer
 from tests.redis_servers import RedisClusterNodes, RedisServer, TlsServer, free_port
 
@@ -246,10 +246,16 @@ class TestLoad:
             await store.aclose()
 
 
+def _calls(request: pytest.FixtureRequest, command: str) -> int:
+    """How many times the servers have run command so far."""
+    stats = [info(server, "commandstats") for server in _servers(request)]
+    return sum(int(s.get(f"cmdstat_{command}", {"calls": 0})["calls"])  # type: ignore[index]
+               for s in stats)
+
+
 def _scans(request: pytest.FixtureRequest) -> int:
     """SCAN commands the servers have run so far."""
-    stats = [info(server, "commandstats") for server in _servers(request)]
-    return sum(int(s.get("cmdstat_scan", {"calls": 0})["calls"]) for s in stats)  # type: ignore[index]
+    return _calls(request, "scan")
 
 
 @pytest.mark.asyncio
@@ -286,6 +292,25 @@ class TestListing:
             page, cursor = await store.scan_page("few/", limit=10)
             assert _scans(request) - before <= _PAGE_SCANS and cursor  # not the whole keyspace
             assert await listing.keys(store, "few/") == ["few/0", "few/1", "few/2"]
+        finally:
+            await store.aclose()
+
+    async def test_a_purge_takes_small_steps_and_rests_between_them(
+        self, shared_store_url: str, request: pytest.FixtureRequest
+    ) -> None:
+        store = open_redis(shared_store_url)
+        try:
+            await asyncio.gather(*(store.set(f"old/{i}", b"v") for i in range(640)))
+            await store.set("new/1", b"v")
+            unlinks = _calls(request, "unlink")
+            started = time.monotonic()
+            assert await store.purge_namespace("old") == 640
+            took = time.monotonic() - started
+            # Each UNLINK holds Redis for every other client: 32 keys at a time (a cluster
+            # splits a step by slot: more calls), with a rest of >= 1 ms after each.
+            assert _calls(request, "unlink") - unlinks >= 640 // _PURGE_STEP
+            assert took >= (640 // _PURGE_STEP - 1) * _PURGE_REST
+            assert await store.get("new/1") == b"v"
         finally:
             await store.aclose()
 
