@@ -12,7 +12,12 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer, make_mocked_request
 
-from cacheproxy.edge.aiohttp_adapter import Rendered, header_lines, missing_private_attributes
+from cacheproxy.edge.aiohttp_adapter import (
+    PIECE,
+    Rendered,
+    header_lines,
+    missing_private_attributes,
+)
 from tests.conftest import free_port
 
 BODY = b'{"answer":"The fox eats bones. 100% sure."}'
@@ -197,3 +202,31 @@ def test_the_private_aiohttp_attributes_it_relies_on_exist() -> None:
     assert not missing, (
         f"aiohttp {aiohttp.__version__} no longer has {', '.join(missing)}: "
         "cacheproxy.edge.aiohttp_adapter.py must follow what StreamResponse does now")
+
+
+async def test_a_large_body_goes_in_pieces_and_reads_as_aiohttps() -> None:
+    """A body over PIECE bytes, given as pieces (as a large HIT's template parts are), is
+    sent piece by piece: a client reads the very bytes aiohttp's Response sends, and the
+    next pipelined response after it."""
+    parts = [b"x" * (PIECE + 17), b"-mark-", b"y" * 5, b"z" * (3 * PIECE)]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if request.path == "/aiohttp":
+            return web.Response(body=b"".join(parts), headers=HEADERS)
+        return Rendered(header_lines(HEADERS.items()), parts)
+
+    app = web.Application()
+    app.router.add_post("/{kind}", handler)
+    server = TestServer(app, host="127.0.0.1", port=free_port())
+    await server.start_server()
+    try:
+        got = {}
+        for kind in ("aiohttp", "rendered"):
+            request = _post("1.1").replace(b"POST / ", f"POST /{kind} ".encode())
+            got[kind], closed = await _exchange(server.port, request * 2, responses=2)
+            assert not closed
+    finally:
+        await server.close()
+    assert [_parsed(r) for r in got["rendered"]] == [_parsed(r) for r in got["aiohttp"]]
+    assert _parsed(got["rendered"][1])[2] == b"".join(parts)
