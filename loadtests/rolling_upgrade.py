@@ -12,7 +12,7 @@ the installed version. For --seconds a client alternates the same questions betw
            serving: the old namespace is superseded and purged no sooner than
            --supersede-grace after the stop, and within a lease renewal after that
 
-    python loadtests/rolling_upgrade.py                  # a minute side by side
+    python loadtests/rolling_upgrade.py                  # a minute side by side (~2.5 min)
     python loadtests/rolling_upgrade.py --smoke --out /tmp/r
 
 Prints a Markdown table and writes rolling_upgrade.png (requests over time, by replica and
@@ -174,8 +174,8 @@ def main(args: argparse.Namespace) -> int:
                      len(caches) - first_pass - hits_after, during["purged"][name]])
     states = [{d: (v["state"], v["replicas"]) for d, v in check.items()} for check in
               during["checks"]]
-    both_live = all(all(s == ("current", 1) for s in check.values()) and len(check) == 2
-                    for check in states)
+    both_live = bool(states) and all(
+        all(s == ("current", 1) for s in check.values()) and len(check) == 2 for check in states)
     gone = after["gone_after_s"]
     ok &= both_live and during["failures"] == 0 and not any(during["purged"].values())
     ok &= gone is not None and args.grace <= gone <= args.grace + args.lease_ttl + 5
@@ -211,8 +211,10 @@ def main(args: argparse.Namespace) -> int:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--lease-ttl", type=float, default=3.0)
-    parser.add_argument("--grace", type=float, default=10.0)
+    parser.add_argument("--lease-ttl", type=float, default=30.0,
+                        help="serve's --lease-ttl (its default)")
+    parser.add_argument("--grace", type=float, default=60.0,
+                        help="serve's --supersede-grace (its default)")
     parser.add_argument("--questions", type=int, default=10)
     parser.add_argument("--pause", type=float, default=0.05)
     parser.add_argument("--out", default=str(RESULTS))
