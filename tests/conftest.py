@@ -9,7 +9,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import openai
 import pytest
 import pytest_asyncio
@@ -129,3 +131,30 @@ def chat_body() -> dict[str, object]:
     """A chat request the demo model answers in a sentence or two."""
     return {"model": DEMO_MODEL_ID,
             "messages": [{"role": "user", "content": "What does the fox eat?"}]}
+
+
+Ask = Callable[[str], Awaitable[tuple[str, str]]]
+
+
+def asker(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Ask:
+    """Send `body` to `url` as a model: its X-Cache and fingerprint (the answer names it)."""
+    async def ask(model: str) -> tuple[str, str]:
+        async with session.post(url, json={**body, "model": model}) as resp:
+            assert resp.status == 200, await resp.text()
+            assert (await resp.json())["model"] == model
+            return resp.headers["X-Cache"], resp.headers["X-Cache-Fingerprint"]
+    return ask
+
+
+async def miss_then_hit(session: aiohttp.ClientSession, url: str, ask: Ask
+                        ) -> dict[str, tuple[str, str]]:
+    """Models "demo" and "q" behind the proxy at `url`: each is a MISS then a HIT, under two
+    fingerprints, and /v1/models lists both. Each one's first answer."""
+    first = {m: await ask(m) for m in ("demo", "q")}
+    again = {m: await ask(m) for m in ("demo", "q")}
+    assert [c for c, _ in first.values()] == ["MISS", "MISS"]
+    assert [c for c, _ in again.values()] == ["HIT", "HIT"]
+    assert first["demo"][1] != first["q"][1]
+    async with session.get(url + "/v1/models") as resp:
+        assert [m["id"] for m in (await resp.json())["data"]] == ["demo", "q"]
+    return first

@@ -7,9 +7,8 @@ import dataclasses
 import gc
 import shutil
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -30,7 +29,7 @@ from cacheproxy.runners.mlx import MlxOptions, MlxRunner
 from cacheproxy.service.invalidation import Invalidator
 from cacheproxy.service.namespaces import REGISTRY_KEY, Registry
 from policies.invalidation import InvalidationPolicy
-from tests.conftest import Proxy, ProxyFactory, eventually, free_port
+from tests.conftest import Proxy, ProxyFactory, asker, eventually, free_port, miss_then_hit
 from tests.conftest_redis import StartServer
 
 FINGERPRINT_A = fp.compute("demo", Path(__file__).resolve().parents[1] / "cacheproxy" /
@@ -432,33 +431,6 @@ class _Fixed:
 
     def fingerprint(self) -> fp.Fingerprint:
         return self._fingerprint
-
-
-Ask = Callable[[str], Awaitable[tuple[str, str]]]
-
-
-def asker(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Ask:
-    """Send `body` to `url` as a model: its X-Cache and fingerprint (the answer names it)."""
-    async def ask(model: str) -> tuple[str, str]:
-        async with session.post(url, json={**body, "model": model}) as resp:
-            assert resp.status == 200, await resp.text()
-            assert (await resp.json())["model"] == model
-            return resp.headers["X-Cache"], resp.headers["X-Cache-Fingerprint"]
-    return ask
-
-
-async def miss_then_hit(session: aiohttp.ClientSession, url: str, ask: Ask
-                        ) -> dict[str, tuple[str, str]]:
-    """Models "demo" and "q" behind the proxy at `url`: each is a MISS then a HIT, under two
-    fingerprints, and /v1/models lists both. Each one's first answer."""
-    first = {m: await ask(m) for m in ("demo", "q")}
-    again = {m: await ask(m) for m in ("demo", "q")}
-    assert [c for c, _ in first.values()] == ["MISS", "MISS"]
-    assert [c for c, _ in again.values()] == ["HIT", "HIT"]
-    assert first["demo"][1] != first["q"][1]
-    async with session.get(url + "/v1/models") as resp:
-        assert [m["id"] for m in (await resp.json())["data"]] == ["demo", "q"]
-    return first
 
 
 async def test_two_models_behind_one_proxy_each_with_its_lane_namespace_and_reload(

@@ -39,8 +39,7 @@ from cacheproxy.runners.upstream_model import UpstreamOptions
 from cacheproxy.runners.upstream_stream import _Reader
 from cacheproxy.runners.upstream_wire import parse_system_fingerprint, rejection
 from policies.sampling import SamplingMode
-from tests.conftest import demo_token, free_port
-from tests.test_invalidation import asker, miss_then_hit
+from tests.conftest import asker, demo_token, free_port, miss_then_hit
 from tests.test_proxy_e2e import NO_EOS
 from tests.test_upstream_stream import bursts, linux
 from tests.upstreams import Relay, Upstream
