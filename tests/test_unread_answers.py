@@ -171,3 +171,31 @@ def test_pieces_join_small_parts_and_slice_large_ones() -> None:
     assert b"".join(out) == b"".join(parts)
     assert [len(p) for p in out] == [20, 16, 16, 13, 10]
     assert list(pieces([], 16)) == [] and [bytes(p) for p in pieces([b"x"], 16)] == [b"x"]
+
+
+@pytest.mark.parametrize("shape", ["chat", "responses"])
+def test_a_large_template_is_sent_as_its_own_parts(shape: str) -> None:
+    """Over LARGE_BODY a hit body is rendered as pieces that are the template's own bytes
+    (nothing copied per reader), the marked fields filled between them, for a chat
+    completion (id then "created") and a Responses object ("created_at", "completed_at")."""
+    from cacheproxy.service.memos import CREATED_MARK, ID_MARK, LARGE_BODY, Template
+
+    text = "x" * LARGE_BODY
+    if shape == "chat":
+        marked = {"id": ID_MARK, "object": "chat.completion", "created": CREATED_MARK,
+                  "choices": [{"message": {"content": text}}]}
+        filled = {**marked, "id": "chatcmpl-1", "created": 17}
+    else:
+        marked = {"id": ID_MARK, "object": "response", "created_at": CREATED_MARK,
+                  "output": [{"content": [{"text": text}]}], "completed_at": CREATED_MARK}
+        filled = {**marked, "id": "resp_1", "created_at": 17, "completed_at": 17}
+    template = Template(json.dumps(marked).replace(": ", ":").encode(), "application/json")
+    body = template.render(str(filled["id"]), 17)
+    assert isinstance(body, list), "a large body is copied whole per reader"
+    assert json.loads(b"".join(body)) == filled
+    biggest = max(body, key=len)
+    assert len(biggest) > LARGE_BODY and any(biggest is part for part in template._parts)
+    small = Template(json.dumps({**marked, **({"choices": []} if shape == "chat" else
+                                              {"output": []})}).replace(": ", ":").encode(),
+                     "application/json")
+    assert isinstance(small.render("r", 1), bytes)

@@ -141,9 +141,8 @@ def _repeat_hit(request: web.Request, repeat: Repeat, ttl: float | None) -> Rend
     age = max(0.0, now - repeat.created_at)
     control = response_cache_control(stored=True, ttl=ttl, age=age)
     head = b"%bAge: %d\r\nCache-Control: %s\r\n" % (repeat.head, age, control.encode())
-    template = repeat.template
-    fill = template.pieces if template.large else template.fill
-    return Rendered(head, fill(request.app[IDS].next(repeat.endpoint), int(now)))
+    return Rendered(head, repeat.template.render(request.app[IDS].next(repeat.endpoint),
+                                                 int(now)))
 
 
 def _stored_hit(request: web.Request, hit: Stored, proxy: CachingProxy,
@@ -166,8 +165,7 @@ def _stored_hit(request: web.Request, hit: Stored, proxy: CachingProxy,
             created_at=float(hit.record.provenance.get("created_at", 0.0)), template=template,
             head=header_lines([*fixed, ("Content-Type", template.content_type)]),
             log=SharedFields(info)))
-    fill = template.pieces if template.large else template.fill
-    body = fill(request.app[IDS].next(hit.parsed.delivery.api), int(time.time()))
+    body = template.render(request.app[IDS].next(hit.parsed.delivery.api), int(time.time()))
     return Rendered(header_lines([*headers.items(), ("Content-Type", template.content_type)]),
                     body)
 
@@ -238,8 +236,7 @@ def _generated_body(flight: Flight, frame: render.Frame, output: Output) -> Body
         marked = dataclasses.replace(frame, id=ID_MARK, created=CREATED_MARK)
         template = Template(orjson.dumps(_body_of(marked, output)), JSON)
         flight.rendered[memo_key] = template
-    fill = template.pieces if template.large else template.fill
-    return fill(frame.id, frame.created)
+    return template.render(frame.id, frame.created)
 
 
 def _prefilled(frame: render.Frame, flight: Flight, headers: dict[str, str],

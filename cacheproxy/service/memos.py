@@ -23,6 +23,7 @@ only skip work, never change an answer:
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -142,22 +143,27 @@ ID_MARK = "@@cacheproxy-id@@"
 CREATED_MARK = 9_999_999_999_999
 _ID_BYTES = f'"id":"{ID_MARK}"'.encode()
 _CREATED_BYTES = f'"created":{CREATED_MARK}'.encode()
-# A Responses object's times: the same second as "created" is in a chat completion.
-_TIMES_BYTES = tuple(f'"{name}":{CREATED_MARK}'.encode() for name in ("created_at",
-                                                                      "completed_at"))
+# Every marked field: the id, and the times (a Responses object has "created_at" and
+# "completed_at": the same second as "created" in a chat completion).
+_MARKS = re.compile(b'"id":"' + ID_MARK.encode() + b'"|"(?:created|created_at|completed_at)":'
+                    + str(CREATED_MARK).encode())
+_TIME_DIGITS = len(str(CREATED_MARK))
 
 
 def _between_marks(body: bytes) -> bytes | None:
     """The bytes between the id and the creation time, when every id is followed by its
-    creation time with these same bytes in between (as in every object cacheproxy renders);
-    None otherwise."""
+    creation time with these same bytes in between (as in every chat completion cacheproxy
+    renders); None otherwise."""
     ids = body.count(_ID_BYTES)
     start = body.find(_ID_BYTES) + len(_ID_BYTES)
     end = body.find(_CREATED_BYTES, start)
     if ids == 0 or end < 0 or body.count(_CREATED_BYTES) != ids:
         return None
     between = body[start:end]
-    return between if body.count(_ID_BYTES + between + _CREATED_BYTES) == ids else None
+    if body.count(_ID_BYTES + between + _CREATED_BYTES) != ids or \
+            len(_MARKS.findall(body)) != 2 * ids:
+        return None
+    return between
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,43 +172,52 @@ class Template:
 
     body: bytes  # with ID_MARK and CREATED_MARK where the values go
     content_type: str
-    # Filled as a join of the parts around each "id"…"created" run (a stream repeats both
-    # in every chunk): a quarter of the cost of a %-format with a value per mark. A body in
-    # another shape (cacheproxy renders none) gets the two marks replaced.
-    _between: bytes | None = field(init=False, repr=False, compare=False, default=None)
+    # The parts of the body around its marked fields. A chat completion (and each chunk of
+    # its stream) has the id then "created" with the same bytes between: filled as a join
+    # of the parts around each such run, a quarter of the cost of a value per mark. Any
+    # other shape (a Responses object) is filled mark by mark (`_marks`).
     _parts: tuple[bytes, ...] = field(init=False, repr=False, compare=False, default=())
-    # Over LARGE_BODY, and in the joined shape: send `pieces` (a response then shares the
-    # template's bytes: a client that does not read holds no copy of its answer).
-    large: bool = field(init=False, repr=False, compare=False, default=False)
+    _between: bytes | None = field(init=False, repr=False, compare=False, default=None)
+    _marks: tuple[bytes, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
         between = _between_marks(self.body)
         if between is not None:
             object.__setattr__(self, "_between", between)
-            object.__setattr__(self, "_parts", tuple(self.body.split(
-                _ID_BYTES + between + _CREATED_BYTES)))
-            object.__setattr__(self, "large", len(self.body) > LARGE_BODY)
+            parts = self.body.split(_ID_BYTES + between + _CREATED_BYTES)
+        else:
+            object.__setattr__(self, "_marks", tuple(_MARKS.findall(self.body)))
+            parts = _MARKS.split(self.body)
+        object.__setattr__(self, "_parts", tuple(parts))
+
+    def render(self, response_id: str, created: int) -> bytes | list[bytes]:
+        """The body with its response id and creation time: over LARGE_BODY as `pieces` (a
+        response then shares the template's bytes, so a client that does not read holds no
+        copy of its answer), else as one bytes."""
+        if len(self.body) > LARGE_BODY:
+            return self.pieces(response_id, created)
+        return self.fill(response_id, created)
 
     def fill(self, response_id: str, created: int) -> bytes:
         """The body with its response id and creation time."""
         if self._between is not None:
             return (b'"id":"%b"%b"created":%d' % (response_id.encode(), self._between, created)
                     ).join(self._parts)
-        # Inside JSON strings quotes are escaped, so these byte runs only match the fields.
-        body = self.body.replace(_ID_BYTES, b'"id":"%b"' % response_id.encode()).replace(
-            _CREATED_BYTES, b'"created":%d' % created)
-        for marked in _TIMES_BYTES:
-            body = body.replace(marked, marked[: -len(str(CREATED_MARK))] + b"%d" % created)
-        return body
+        return b"".join(self.pieces(response_id, created))
 
     def pieces(self, response_id: str, created: int) -> list[bytes]:
         """What `fill` returns, as the template's own parts with the filled fields between
         (nothing copied)."""
-        if self._between is None:
-            return [self.fill(response_id, created)]
-        filled = b'"id":"%b"%b"created":%d' % (response_id.encode(), self._between, created)
-        out = [filled] * (2 * len(self._parts) - 1)
+        out = [b""] * (2 * len(self._parts) - 1)
         out[::2] = self._parts
+        if self._between is not None:
+            filled = b'"id":"%b"%b"created":%d' % (response_id.encode(), self._between,
+                                                   created)
+            out[1::2] = [filled] * (len(self._parts) - 1)
+            return out
+        values = {mark: b'"id":"%b"' % response_id.encode() if mark == _ID_BYTES else
+                  mark[:-_TIME_DIGITS] + b"%d" % created for mark in set(self._marks)}
+        out[1::2] = [values[mark] for mark in self._marks]
         return out
 
 
