@@ -199,3 +199,26 @@ def test_a_large_template_is_sent_as_its_own_parts(shape: str) -> None:
                                               {"output": []})}).replace(": ", ":").encode(),
                      "application/json")
     assert isinstance(small.render("r", 1), bytes)
+
+
+def test_forget_frames_drops_only_the_connection_errors_tracebacks() -> None:
+    """A reset raised while handling a generation's error keeps that error's traceback
+    (other readers of the generation hold it); the connection errors lose theirs."""
+    from cacheproxy.edge.aiohttp_adapter import forget_frames
+
+    shared = ValueError("the generation failed")
+    try:
+        raise shared
+    except ValueError:
+        try:
+            try:
+                raise TimeoutError("timed out")
+            except TimeoutError as timeout:
+                raise ConnectionResetError("reset") from timeout
+        except ConnectionResetError as reset:
+            gone = reset
+    forget_frames(gone)
+    timeout_error = gone.__cause__
+    assert gone.__traceback__ is None and timeout_error is not None
+    assert timeout_error.__traceback__ is None
+    assert timeout_error.__context__ is shared and shared.__traceback__ is not None

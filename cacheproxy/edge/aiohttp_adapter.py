@@ -166,7 +166,7 @@ class Rendered(web.StreamResponse):
                 await writer.write_eof(b"".join((*head, body)))  # writes, then drains
             else:
                 await _send_in_pieces(writer, b"".join(head), body)
-        except ConnectionError as exc:
+        except OSError as exc:  # the connection is gone (reset, broken pipe, timed out)
             forget_frames(exc)
             raise
         self._eof_sent = True  # so write() after this is refused, as after write_eof()
@@ -212,13 +212,15 @@ def pieces(parts: Iterable[bytes], size: int) -> Iterator[bytes | memoryview]:
 
 
 def forget_frames(exc: BaseException) -> None:
-    """Drop the tracebacks of a connection error raised out of a drain (and of its causes).
-    aiohttp's drain waiter holds the error, whose traceback holds the frame that holds the
-    waiter: a cycle that kept every frame the error passed (and the answer they hold) alive
-    until the collector ran. The connection is gone: nobody reads those tracebacks."""
+    """Drop the tracebacks of a connection error raised out of a drain (and of the
+    connection errors it came from). aiohttp's drain waiter holds the error, whose
+    traceback holds the frame that holds the waiter: a cycle that kept every frame the
+    error passed (and the answer they hold) alive until the collector ran. The connection
+    is gone: nobody reads those tracebacks. The chain stops at the first error that is not
+    the connection's (such as a generation's, which others still hold)."""
     seen: set[int] = set()
     cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
+    while isinstance(cause, OSError) and id(cause) not in seen:
         seen.add(id(cause))
         cause.__traceback__ = None
         cause = cause.__cause__ or cause.__context__

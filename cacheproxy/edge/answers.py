@@ -287,7 +287,7 @@ async def _stream(request: web.Request, answer: Flowing, frame: render.Frame,
     await response.prepare(request)
     try:
         await _relay(response, answer, frame, request[CACHE_LOG])
-    except ConnectionError as exc:
+    except OSError as exc:  # reset, broken pipe, timed out
         # The client left: its reading stops here, the shared fill goes on and is stored.
         forget_frames(exc)  # (or a cycle through aiohttp's drain keeps this relay alive)
         request[CACHE_LOG]["client"] = "gone"
