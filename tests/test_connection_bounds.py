@@ -132,3 +132,21 @@ def test_an_answer_left_unread_is_cut_after_the_send_timeout(tmp_path: Path) -> 
             assert _health(url)["status"] == "ok"  # and the server goes on
         finally:
             reader.close()
+
+
+def test_send_buffer_bounds_what_the_kernel_holds_for_each_accepted_connection() -> None:
+    """`--send-buffer`: every connection the server accepts inherits the listening socket's
+    SO_SNDBUF (Linux doubles the value asked, for its bookkeeping); 0 leaves the kernel's
+    autotuned buffer, which grows to megabytes for a client that does not read."""
+    import socket
+
+    from cacheproxy.cli.serve import listening_socket
+
+    for asked in (16384, 0):
+        listener = listening_socket("127.0.0.1", 0, send_buffer=asked)
+        client = socket.create_connection(listener.getsockname())
+        accepted, _ = listener.accept()
+        size = accepted.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        assert size == 2 * asked if asked else size > 2 * 16384, (asked, size)
+        for s in (accepted, client, listener):
+            s.close()

@@ -58,6 +58,8 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--body-timeout", {"type": float, "help": "seconds a request body may take (408)"}),
     ("--send-timeout", {"type": float,
                         "help": "seconds a client may leave an answer unread before it is cut"}),
+    ("--send-buffer", {"type": int, "metavar": "BYTES",
+                       "help": "kernel send buffer per client connection (0: the kernel's)"}),
     ("--store-retry", {"type": float,
                        "help": "seconds to answer without the store after a failure"}),
     ("--lock-ttl", {"type": float,

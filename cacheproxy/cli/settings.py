@@ -65,6 +65,9 @@ class Settings:
     idle_timeout: float = 15.0
     body_timeout: float = 30.0
     send_timeout: float = 30.0
+    # The kernel's send buffer per client connection (SO_SNDBUF), 0: the kernel's own
+    # (autotuned on Linux up to net.ipv4.tcp_wmem's maximum, 4 MB by default).
+    send_buffer: int = 0
     store_retry: float = 2.0
     lock_ttl: float = 10.0
     lease_ttl: float = 30.0  # a replica's lease on the namespace it serves (renewed every third)
@@ -225,6 +228,7 @@ def validate(settings: Settings) -> None:
         "idle_timeout": settings.idle_timeout > 0,
         "body_timeout": settings.body_timeout > 0,
         "send_timeout": settings.send_timeout > 0,
+        "send_buffer": settings.send_buffer >= 0,
         "store_retry": settings.store_retry > 0,
         "lock_ttl": settings.lock_ttl > 0,
         "lease_ttl": settings.lease_ttl > 0,
