@@ -652,6 +652,39 @@ class TestDiskBackend:
         finally:
             await store.aclose()
 
+    async def test_a_listing_page_far_into_a_prefix_costs_what_the_first_does(
+        self, tmp_path: Path
+    ) -> None:
+        """(#18 cost curves) Listing 1M entries page by page took 33 s: each page's query
+        read every key from the prefix's start up to the page."""
+        store = DiskBackend(tmp_path)
+        try:
+            await store.set("ns/000000", b"v")
+            with contextlib.closing(sqlite3.connect(tmp_path / DB_FILENAME,
+                                                    isolation_level=None)) as other:
+                other.executemany("INSERT INTO entries (key, size, expires_at, accessed_at,"
+                                  " value) VALUES (?, 1, NULL, 0, x'00')",
+                                  [(f"ns/{i:06d}",) for i in range(1, 20_000)])
+            steps = [0]
+
+            def counted() -> int:
+                steps[0] += 1
+                return 0
+
+            async def cost(after: str) -> tuple[int, list[str]]:
+                steps[0] = 0
+                await store._run(lambda conn: conn.set_progress_handler(counted, 100))
+                page = await store.scan("ns/", after=after, limit=100)
+                await store._run(lambda conn: conn.set_progress_handler(None, 0))
+                return steps[0], page
+
+            first, _ = await cost("")
+            last, page = await cost("ns/019800")
+            assert page == [f"ns/{i:06d}" for i in range(19_801, 19_901)]
+            assert last < 3 * first + 5, (first, last)
+        finally:
+            await store.aclose()
+
     async def test_recencies_never_wait_for_another_writers_lock(
         self, tmp_path: Path, clock: FakeClock
     ) -> None:
