@@ -33,20 +33,25 @@ and the invalidator's background purge call) in the same process and event loop,
 serving proxy would run it, while the same GETs on the second namespace run; then once more
 after the purge. Then the namespace is filled again and purged by `cacheproxy purge`'s own
 code (cacheproxy/cli/store.py `purge`) in a child process, as an operator would, with the
-same GETs (--no-cli-purge skips this). The purge timelines in the JSON keep every k-th GET
-and the slowest (at most 2000 a purge); the figures are of all. Last, `verify`
+same GETs (--no-cli-purge skips this). Each purge runs and pauses in turns of 0.1 s
+(--purge-turns; paused between two of its steps, in this process or the child), and
+the GETs while it runs are compared with those while it pauses, in the same seconds, as well
+as with those before it: on a shared machine the load before may not be the load during.
+The purge timelines in the JSON keep every k-th GET while the purge runs and the slowest (at
+most 2000 a purge); the figures are of all. Last, `verify`
 (cacheproxy/cli/verify.py) with an in-process MlxRunner on the demo model, over --verify
 entries the demo model generated through an in-process proxy (build_app) into a fresh store
 of each kind: entries per second.
 
-    python loadtests/cost_curves.py                         # 10k, 100k, 1M entries (~11 min)
+    python loadtests/cost_curves.py                         # 10k, 100k, 1M entries (~30 min)
     python loadtests/cost_curves.py --sizes 10k,100k --stores redis
     python loadtests/cost_curves.py --smoke --out /tmp/cc   # 1k and 3k entries, 5 verified
     python loadtests/cost_curves.py --replot results/cost_curves.json --out /tmp/cc
 
 Targets, ratios measured in the same run: hit p99 at the largest size <= 1.5x that at the
 smallest (per store, at the store: between the sweep's two points, and against the small
-store read in turns with it); hit p99 during a purge <= 2x without it. A store whose
+store read in turns with it); hit p99 during a purge <= 2x without it (before it, and in its
+pauses). A store whose
 projected fill time exceeds --fill-budget stops at the largest size that fits (said in the
 output; nothing is extrapolated). Prints Markdown tables and writes cost_curves.json and
 cost_curves.png to --out; exits 1 when an optional part (HTTP, the second purge, verify)
@@ -57,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import http.client
 import json
@@ -525,15 +531,113 @@ async def foreign_write_get_ms(url: str, store: Any, keys: Sequence[str],
 
 
 # What `cacheproxy purge --store URL --namespace DIGEST` runs (cacheproxy/cli/store.py), in a
-# child that has imported and says "ready" first, so its start-up is not timed.
+# child that has imported and says "ready" first, so its start-up is not timed. SIGUSR1 pauses
+# it and SIGUSR2 resumes it between two of its steps (Turns): stopped mid-step (SIGSTOP) it
+# could hold the disk store's WAL index lock and stall every reader while it is stopped.
 PURGE_CHILD = """
-import asyncio, sys
+import asyncio, signal, sys, threading, time
+from backends import redis_keyspace
+from backends.disk import DiskBackend
 from cacheproxy.cli.store import purge
+running = threading.Event()
+running.set()
+signal.signal(signal.SIGUSR1, lambda *_: running.clear())
+signal.signal(signal.SIGUSR2, lambda *_: running.set())
+batch, rest = DiskBackend._purge_batch, redis_keyspace._rest
+def gated_batch(self, namespace):
+    running.wait()
+    return batch(self, namespace)
+async def gated_rest(started):
+    waited = time.monotonic()
+    while not running.is_set():
+        await asyncio.sleep(0.001)
+    return await rest(started + time.monotonic() - waited)
+DiskBackend._purge_batch, redis_keyspace._rest = gated_batch, gated_rest
 print("ready", flush=True)
 sys.stdin.readline()
-sys.exit(asyncio.run(purge(sys.argv[1], superseded=False, namespace=sys.argv[2], key=None,
-                           everything=False, confirm=lambda _: False)))
+code = asyncio.run(purge(sys.argv[1], superseded=False, namespace=sys.argv[2], key=None,
+                         everything=False, confirm=lambda _: False))
+for turn in (signal.SIGUSR1, signal.SIGUSR2):  # (one sent as it ends would kill it)
+    signal.signal(turn, signal.SIG_IGN)
+sys.exit(code)
 """
+
+
+class Turns:
+    """Runs and pauses a purge in turns of `turn` seconds, so that the GETs while it runs
+    and while it pauses are measured in the same seconds: what else runs on the machine
+    (here: other engineers' test suites and benchmarks, load 2-5) weighs on both alike,
+    where a "before" measured a minute earlier may have met another load. A purge pauses
+    between two of its steps, through the store's own step function, wrapped (Redis:
+    redis_keyspace._rest, the rest after each step; disk: DiskBackend._purge_batch, on the
+    purge's thread): here, or in the child (PURGE_CHILD, told by SIGUSR1 and SIGUSR2)."""
+
+    def __init__(self, name: str, store: Any, child: Any, turn: float) -> None:
+        import threading
+
+        self.turn = turn
+        self.running = True
+        self.switched = time.perf_counter()
+        self.ran = 0.0  # seconds the purge has run, so far
+        self._child = child
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._thread_gate = threading.Event()
+        self._thread_gate.set()
+        self._undo: list[Any] = []
+        if child is None and turn > 0:
+            self._wrap(name, store)
+
+    def _wrap(self, name: str, store: Any) -> None:
+        if name == "redis":
+            from backends import redis_keyspace
+
+            rest = redis_keyspace._rest
+            gate = self._gate
+
+            async def gated(started: float) -> float:
+                waited = time.monotonic()
+                await gate.wait()  # (a pause is no part of the step the rest is measured by)
+                return await rest(started + time.monotonic() - waited)
+
+            redis_keyspace._rest = gated  # type: ignore[assignment]
+            self._undo.append(lambda: setattr(redis_keyspace, "_rest", rest))
+        else:
+            batch = store._purge_batch
+            thread_gate = self._thread_gate
+
+            def gated_batch(namespace: str) -> int:
+                thread_gate.wait()
+                return int(batch(namespace))
+
+            store._purge_batch = gated_batch
+            self._undo.append(lambda: delattr(store, "_purge_batch"))
+
+    def tick(self, now: float) -> None:
+        """Pause or resume when a turn is over."""
+        if self.turn <= 0 or now - self.switched < self.turn:
+            return
+        if self.running:
+            self.ran += now - self.switched
+        self.running, self.switched = not self.running, now
+        self._set(self.running)
+
+    def _set(self, running: bool) -> None:
+        if self._child is not None:
+            if self._child.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self._child.pid, signal.SIGUSR2 if running else signal.SIGUSR1)
+            return
+        for gate in (self._gate, self._thread_gate):
+            gate.set() if running else gate.clear()
+
+    def close(self, now: float) -> None:
+        """Resume for good and unwrap."""
+        if self.running:
+            self.ran += now - self.switched
+        self._set(True)
+        for undo in self._undo:
+            undo()
 
 
 async def purge_phase(name: str, store: Any, digest: str, filled: int,
@@ -558,8 +662,10 @@ async def purge_phase(name: str, store: Any, digest: str, filled: int,
             raise BenchError(f"the purge child did not start: {await child.stderr.read()!r}"
                              if child.stderr else "the purge child did not start")
     timeline: list[tuple[float, float]] = []
-    during: list[float] = []
+    during: list[float] = []  # while the purge runs
+    paused: list[float] = []  # while it pauses, in the same seconds
     clock = time.perf_counter_ns
+    turns = Turns(name, store, child, args.purge_turns)
     gc.collect()
     gc.disable()
     try:
@@ -579,12 +685,15 @@ async def purge_phase(name: str, store: Any, digest: str, filled: int,
             t1 = clock()
             if value is None:
                 raise BenchError("a GET of the other namespace missed during the purge")
-            during.append((t1 - t0) / 1000)
-            timeline.append(((t0 - started) / 1e9, (t1 - t0) / 1000))
+            (during if turns.running else paused).append((t1 - t0) / 1000)
+            if turns.running:
+                timeline.append(((t0 - started) / 1e9, (t1 - t0) / 1000))
+            turns.tick(t1 / 1e9)
         outcome = await task
         purge_s = (clock() - started) / 1e9
     finally:
         gc.enable()
+        turns.close(time.perf_counter())
         if child is not None and child.returncode is None:
             child.kill()
             await child.wait()
@@ -603,19 +712,26 @@ async def purge_phase(name: str, store: Any, digest: str, filled: int,
                          f"{left} of the other namespace's {len(other_keys)}")
     during_lat = summary([during])
     ratio = during_lat.p99 / before.p99
+    paused_lat = summary([paused]) if paused else None
     # One at a time, a stall is one slow sample however long it lasts; requests arriving
     # together (a server's) would all wait for it: so also the time spent in slow GETs.
     slow = [us for us in during if us > SLOW_GET_US]
     where = "in this process" if child is None else "by `cacheproxy purge` (another process)"
     print(f"{name}: purged {removed} {where} in {purge_s:.1f} s; other namespace p99 "
-          f"{before.p99:.0f} -> {during_lat.p99:.0f} µs during ({ratio:.2f}x)",
+          f"{before.p99:.0f} -> {during_lat.p99:.0f} µs during ({ratio:.2f}x)"
+          + (f", {paused_lat.p99:.0f} µs in its pauses" if paused_lat else ""),
           file=sys.stderr, flush=True)
-    return {"entries": removed, "seconds": round(purge_s, 4),
-            "per_s": round(removed / purge_s), "other_entries": len(other_keys),
+    running_s = turns.ran if paused else purge_s  # its speed: per second it ran
+    return {"entries": removed, "seconds": round(purge_s, 4), "turn_s": args.purge_turns,
+            "running_s": round(running_s, 2), "per_s": round(removed / running_s),
+            "other_entries": len(other_keys),
+            **({"paused_us": paused_lat.as_dict(),
+                "p99_vs_paused": round(during_lat.p99 / paused_lat.p99, 2)} if paused_lat
+               else {}),
             "before_us": before.as_dict(), "during_us": during_lat.as_dict(),
             "after_us": after.as_dict(), "max_during_us": round(max(during), 1),
             "slow_gets": len(slow), "slow_s": round(sum(slow) / 1e6, 2),
-            "slow_share": round(sum(slow) / 1e6 / purge_s, 3),
+            "slow_share": round(sum(slow) / 1e6 / running_s, 3),
             "p99_ratio": round(ratio, 2)}, timeline
 
 
@@ -810,27 +926,37 @@ def markdown(result: dict[str, Any]) -> str:
         for kind, how in PURGES:
             if (p := s[kind]) and "error" not in p:
                 rows.append([name, f"GET p99 of a {label(p['other_entries'])} namespace during "
-                             f"the purge of {label(p['entries'])} {how} / without",
+                             f"the purge of {label(p['entries'])} {how} / before it",
                              f"{p['p99_ratio']:.2f}", verdict(p["p99_ratio"], t["purge_p99"])])
+                if "p99_vs_paused" in p:
+                    rows.append([name, f"the same, during the purge's steps / during its pauses "
+                                 f"(turns of {p['turn_s']:g} s, the same seconds)",
+                                 f"{p['p99_vs_paused']:.2f}",
+                                 verdict(p["p99_vs_paused"], t["purge_p99"])])
     out.append(table(["store", "target", "ratio", "verdict"], rows, "lll"))
     rows = []
     for name, s in stores.items():
         for kind, how in PURGES:
             if (p := s[kind]) and "error" not in p:
-                rows.append([name, how, label(p["entries"]), f"{p['seconds']:.1f}",
+                paused = p.get("paused_us")
+                rows.append([name, how, label(p["entries"]),
+                             f"{p['seconds']:.1f} ({p.get('running_s', p['seconds']):.1f})",
                              f"{p['per_s']}",
                              f"{p['before_us']['p50']:.0f} / {p['before_us']['p99']:.0f}",
                              f"{p['during_us']['p50']:.0f} / {p['during_us']['p99']:.0f}",
+                             f"{paused['p50']:.0f} / {paused['p99']:.0f}" if paused else "-",
                              f"{p['max_during_us'] / 1000:.1f}",
                              f"{p['slow_gets']}: {p['slow_s']:.1f} s "
                              f"({p['slow_share']:.0%})",
                              f"{p['after_us']['p50']:.0f} / {p['after_us']['p99']:.0f}",
-                             p["during_us"]["samples"], f"{p['p99_ratio']:.2f}"])
-    out.append(table(["store", "purge", "purged", "purge s", "entries/s",
-                      "other ns GET p50 / p99 µs before", "during", "max during ms",
+                             p["during_us"]["samples"], f"{p['p99_ratio']:.2f}",
+                             f"{p['p99_vs_paused']:.2f}" if paused else "-"])
+    out.append(table(["store", "purge", "purged", "purge s (running)", "entries/s running",
+                      "other ns GET p50 / p99 µs before", "during its steps", "in its pauses",
+                      "max during ms",
                       f"GETs over {SLOW_GET_US // 1000} ms during: count, s (share of the purge)",
                       "after",
-                      "GETs during", "p99 during / before"], rows, "ll"))
+                      "GETs during", "p99 during / before", "p99 during / pauses"], rows, "ll"))
     rows = []
     for name, s in stores.items():
         v = s["verify"]
@@ -977,6 +1103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-cli-purge", dest="cli_purge", action="store_false",
                    help="skip the second purge, by `cacheproxy purge`'s code in another "
                    "process (after filling the namespace again)")
+    p.add_argument("--purge-turns", type=float, metavar="S",
+                   help="the purges run and pause in turns of S seconds, GETs measured in "
+                   "both (default 0.1; --smoke 0.02; 0: they run throughout)")
     p.add_argument("--verify", type=int, help="entries verify replays per store "
                    "(default 100; --smoke 5; 0 skips)")
     p.add_argument("--answers", type=int, default=20,
@@ -999,6 +1128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.http_samples = args.http_samples or (100 if smoke else 2_000)
     if args.verify is None:
         args.verify = 5 if smoke else 100
+    if args.purge_turns is None:
+        args.purge_turns = 0.02 if smoke else 0.1
     if smoke:
         args.rounds = min(args.rounds, 2)
         args.answers = min(args.answers, 4)

@@ -89,4 +89,6 @@ def test_cost_curves_smoke(tmp_path: Path) -> None:
         assert all(r["get_us"]["p99"] > 0 and r["bytes_per_entry"] > 0 for r in run["rows"])
         assert run["purge"]["entries"] == 3000 and run["purge"]["seconds"] > 0
         assert run["purge"]["during_us"]["samples"] > 0 and run["purge"]["p99_ratio"] > 0
+        assert run["purge"]["paused_us"]["samples"] > 0 and run["purge"]["p99_vs_paused"] > 0
+        assert all(r["list_all_s"] > 0 and r["sample_list_ms"] > 0 for r in run["rows"])
         assert run["verify"]["entries"] == 5 and run["verify"]["verify_per_s"] > 0
