@@ -16,13 +16,17 @@ class BackendError(Exception):
     """A store failure (I/O, database); callers log it and treat it as a miss."""
 
 
-class StoreFull(BackendError):
-    """The store takes nothing new (its disk is full) but still serves what it holds: not
-    an outage, so callers keep reading from it."""
+class StoreRefused(BackendError):
+    """The store refused a write but still serves what it holds: not an outage, so callers
+    keep reading from it."""
 
 
-class StoreReadOnly(StoreFull):
-    """The store is read-only (its directory or file system): it serves what it holds."""
+class StoreFull(StoreRefused):
+    """The store takes nothing new: its disk is full (which may heal)."""
+
+
+class StoreReadOnly(StoreRefused):
+    """The store is read-only (its directory or file system)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
-from urllib.parse import quote
 
 import structlog
 
@@ -22,48 +19,36 @@ from backends.base import (
     Clock,
     StoreFull,
     StoreReadOnly,
+    StoreRefused,
     StoreStatsResult,
     check_max_bytes,
     entry_size,
     expiry,
     is_expired,
 )
+from backends.disk_open import BUSY_TIMEOUT_S as _BUSY_TIMEOUT_S
+from backends.disk_open import DB_FILENAME as DB_FILENAME  # (named here by tests and tools)
+from backends.disk_open import (
+    corrupt,
+    open_database,
+    open_writable,
+    quarantine,
+    store_error,
+    too_full,
+)
+from backends.disk_open import transaction as _transaction
 
 log = structlog.get_logger("cacheproxy.store.disk")
 DEFAULT_DISK_MAX_BYTES = 1024 * 1024 * 1024
-DB_FILENAME = "cache.sqlite3"
 TOUCH_EVERY = 1.0  # seconds: a read refreshes an entry's recency at most this often
 # A read never writes: the recencies it refreshes are written together, as a job of their
 # own on the worker thread (so a full disk, where that write fails, costs no read).
 TOUCH_BATCH = 256
 TOUCH_FLUSH_EVERY = 2.0
-_BUSY_TIMEOUT_S = 5.0
+# A store opened read-only on a full disk tries to open it writable again, on a write, at
+# most this often (seconds of its clock): it heals once there is room, at little cost.
+WRITABLE_RETRY = 5.0
 _EVICT_BATCH = 64
-
-# The BLOB goes last so reading size/expires_at never walks a value's overflow pages.
-_SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS entries (
-        key TEXT PRIMARY KEY,
-        size INTEGER NOT NULL,
-        expires_at REAL,
-        accessed_at REAL NOT NULL,
-        value BLOB NOT NULL
-    )""",
-    "CREATE INDEX IF NOT EXISTS entries_by_access ON entries (accessed_at)",
-)
-# The byte total kept by the database itself, for every connection (another process's
-# too): reading it is O(1), where summing the table after another connection's commit cost
-# ~400 ms at a million entries, on the next read.
-_TOTALS = (
-    "CREATE TABLE IF NOT EXISTS totals (id INTEGER PRIMARY KEY CHECK (id = 0),"
-    " bytes INTEGER NOT NULL)",
-    "CREATE TRIGGER IF NOT EXISTS entries_added AFTER INSERT ON entries"
-    " BEGIN UPDATE totals SET bytes = bytes + NEW.size WHERE id = 0; END",
-    "CREATE TRIGGER IF NOT EXISTS entries_removed AFTER DELETE ON entries"
-    " BEGIN UPDATE totals SET bytes = bytes - OLD.size WHERE id = 0; END",
-    "CREATE TRIGGER IF NOT EXISTS entries_resized AFTER UPDATE OF size ON entries"
-    " BEGIN UPDATE totals SET bytes = bytes - OLD.size + NEW.size WHERE id = 0; END",
-)
 
 _T = TypeVar("_T")
 
@@ -96,7 +81,8 @@ class DiskBackend:
         self._flushed_at = 0.0
         self.touches_dropped = 0  # recencies not written (a full or read-only disk)
         self.quarantined: list[Path] = []  # corrupt database files moved aside
-        self.read_only = False  # opened on a read-only directory or file system
+        self._refusing: type[StoreRefused] | None = None  # opened read-only: what a write is
+        self._writable_retry_at = 0.0  # (opened read-only on a full disk) when to try again
 
     def __repr__(self) -> str:
         return f"DiskBackend({str(self._directory)!r}, max_bytes={self._max_bytes})"
@@ -110,6 +96,11 @@ class DiskBackend:
     def max_bytes(self) -> int:
         """The bound on stored keys + values."""
         return self._max_bytes
+
+    @property
+    def read_only(self) -> bool:
+        """Opened on a read-only directory or file system: it serves what it holds."""
+        return self._refusing is StoreReadOnly
 
     async def get(self, key: str) -> bytes | None:
         """The value (its recency refreshed in a later batch); an expired row misses."""
@@ -193,24 +184,24 @@ class DiskBackend:
             try:
                 return op(self._connection())
             except sqlite3.DatabaseError as exc:
-                if not _corrupt(exc):
+                if not corrupt(exc):
+                    raise
+                if self._conn is not None and self._refusing is not None:
+                    # Read through a read-only (immutable) connection, which may have read a
+                    # file another process changed under it: not moved aside (nor could it be,
+                    # read-only). The next call opens it anew, writable first.
+                    self._close_conn(flush=False)
                     raise
                 self._quarantine(exc)  # then once more, on a fresh file
                 return op(self._connection())
         except (sqlite3.Error, OSError) as exc:
-            raise BackendError(f"disk store {str(self._directory)!r}: {exc}") from exc
+            raise store_error(self._directory, exc) from exc
 
     def _quarantine(self, exc: sqlite3.DatabaseError) -> None:
-        """Move a corrupt database file (and its WAL and shared memory) aside, named with
-        the time, so that the next connection starts a fresh one; say so loudly."""
+        """Move a corrupt database file aside (disk_open.quarantine), so that the next
+        connection starts a fresh one; say so loudly."""
         self._close_conn(flush=False)
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        database = self._directory / DB_FILENAME
-        aside = database.with_name(f"{DB_FILENAME}.corrupt-{stamp}")
-        for suffix in ("", "-wal", "-shm"):
-            source = database.with_name(DB_FILENAME + suffix)
-            if source.exists():
-                source.rename(aside.with_name(aside.name + suffix))
+        aside = quarantine(self._directory)
         self._bytes, self._data_version, self._touched = 0, None, {}
         self.quarantined.append(aside)
         log.warning("disk_store_quarantined", error=str(exc), moved_to=str(aside),
@@ -219,8 +210,9 @@ class DiskBackend:
     def _connection(self) -> sqlite3.Connection:
         # A failed open is retried on the next call, so a transient fault heals itself.
         if self._conn is None:
-            self._conn = self._open()
-            self._data_version = None
+            opened = open_database(self._directory)
+            self._conn, self._data_version = opened.conn, None
+            self._opened(opened.refusing)
         # data_version moves only on other connections' commits (say `cacheproxy purge`);
         # read the total again then, so the running total never drifts from the table.
         (version,) = self._conn.execute("PRAGMA data_version").fetchone()
@@ -228,48 +220,46 @@ class DiskBackend:
             self._bytes, self._data_version = _total(self._conn), int(version)
         return self._conn
 
-    def _open(self) -> sqlite3.Connection:
-        try:
-            return self._open_writable()
-        except sqlite3.OperationalError:
-            database = self._directory / DB_FILENAME
-            if not database.exists() or os.access(self._directory, os.W_OK) and \
-                    not _read_only_mount(self._directory):
-                raise
-        # A read-only directory or file system: serve what is stored, store nothing.
-        # immutable=1: no locks and no shared-memory file (WAL would need one, writable).
-        conn = sqlite3.connect(f"file:{quote(str(database))}?immutable=1", uri=True,
-                               timeout=_BUSY_TIMEOUT_S, isolation_level=None)
-        if not self.read_only:
-            log.warning("disk_store_read_only", path=str(database),
+    def _opened(self, refusing: type[StoreRefused] | None) -> None:
+        """Note how the database was opened (disk_open.open_database); say so on a change."""
+        path = str(self._directory / DB_FILENAME)
+        if refusing is StoreFull:
+            self._writable_retry_at = self._clock() + WRITABLE_RETRY
+        if refusing is StoreReadOnly and self._refusing is not StoreReadOnly:
+            log.warning("disk_store_read_only", path=path,
                         note="stored entries are served; new ones are not stored")
-        self.read_only = True
-        return conn
+        elif refusing is StoreFull and self._refusing is not StoreFull:
+            log.warning("disk_store_full", path=path,
+                        note="too full to open writable: stored entries are served read-only, "
+                             f"new ones not stored; a write tries again every {WRITABLE_RETRY:g} s")
+        elif refusing is None and self._refusing is StoreFull:
+            log.info("disk_store_writable", path=path, note="room again: new entries are stored")
+        self._refusing = refusing
 
-    def _open_writable(self) -> sqlite3.Connection:
-        self._directory.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(
-            self._directory / DB_FILENAME, timeout=_BUSY_TIMEOUT_S, isolation_level=None
-        )
+    def _writable(self, conn: sqlite3.Connection) -> sqlite3.Connection:
+        """The connection a write goes to: conn when it is writable; when the store was
+        opened read-only on a full disk, one opened writable anew once its time has come
+        (the store heals); else the refusal."""
+        refusing = self._refusing
+        if refusing is None:
+            return conn
+        where = f"disk store {str(self._directory)!r}"
+        if refusing is StoreReadOnly:
+            raise StoreReadOnly(f"{where} is read-only: nothing new is stored")
+        if self._clock() < self._writable_retry_at:
+            raise StoreFull(f"{where}: the disk was too full to open it writable")
         try:
-            (mode,) = conn.execute("PRAGMA journal_mode=WAL").fetchone()
-            if mode != "wal":
-                raise sqlite3.OperationalError(f"cannot enable WAL (journal_mode={mode})")
-            # NORMAL in WAL: a power cut may lose the last commits but never corrupts.
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute("PRAGMA journal_size_limit=67108864")
-            for statement in _SCHEMA:
-                conn.execute(statement)
-            with _transaction(conn):  # (with the triggers, so no row is counted twice or not)
-                for statement in _TOTALS:
-                    conn.execute(statement)
-                if conn.execute("SELECT 1 FROM totals").fetchone() is None:  # once per file
-                    conn.execute("INSERT INTO totals (id, bytes)"
-                                 " SELECT 0, COALESCE(SUM(size), 0) FROM entries")
-        except BaseException:
-            conn.close()
-            raise
-        return conn
+            writable = open_writable(self._directory)
+        except sqlite3.OperationalError as exc:
+            self._writable_retry_at = self._clock() + WRITABLE_RETRY
+            if not too_full(exc):
+                raise
+            raise StoreFull(f"{where}: the disk is still too full to open it writable ({exc})"
+                            ) from exc
+        self._close_conn(flush=False)
+        self._conn, self._data_version = writable, None
+        self._opened(None)
+        return self._connection()
 
     def _close_conn(self, *, flush: bool = True) -> None:
         if flush:
@@ -296,7 +286,7 @@ class DiskBackend:
             if deleted:
                 self._bytes -= size
             return None
-        if now - accessed_at >= TOUCH_EVERY:
+        if now - accessed_at >= TOUCH_EVERY and self._refusing is None:
             # Recency to the second is enough for LRU, and saves a write on most hits.
             self._touched[key] = now
         return value
@@ -326,17 +316,9 @@ class DiskBackend:
 
     def _set(self, conn: sqlite3.Connection, key: str, value: bytes,
              expires_at: float | None, now: float) -> None:
-        if self.read_only:
-            raise StoreReadOnly(f"disk store {str(self._directory)!r} is read-only: "
-                                "nothing new is stored")
+        conn = self._writable(conn)
         self._flush_touches()  # eviction below sees the reads' recency
-        try:
-            self._insert(conn, key, value, expires_at, now)
-        except sqlite3.OperationalError as exc:
-            refused = _refusal(exc)
-            if refused is None:
-                raise
-            raise refused(f"disk store {str(self._directory)!r}: {exc}") from exc
+        self._insert(conn, key, value, expires_at, now)
 
     def _insert(self, conn: sqlite3.Connection, key: str, value: bytes,
                 expires_at: float | None, now: float) -> None:
@@ -358,6 +340,7 @@ class DiskBackend:
         self._bytes = total  # only after the commit, so a rollback leaves it right
 
     def _delete(self, conn: sqlite3.Connection, key: str, now: float) -> bool:
+        conn = self._writable(conn)
         with _transaction(conn):
             row = conn.execute(
                 "SELECT size, expires_at FROM entries WHERE key = ?", (key,)
@@ -372,10 +355,10 @@ class DiskBackend:
         """One batch of a purge, on the purge thread and its connection."""
         try:
             if self._purge_conn is None:
-                self._purge_conn = self._open()
+                self._purge_conn = open_writable(self._directory)  # (a purge only writes)
             return _purge(self._purge_conn, namespace, PURGE_BATCH)
         except (sqlite3.Error, OSError) as exc:
-            raise BackendError(f"disk store {str(self._directory)!r}: {exc}") from exc
+            raise store_error(self._directory, exc) from exc
 
     def _close_purge_conn(self) -> None:
         if self._purge_conn is not None:
@@ -425,44 +408,6 @@ def _total(conn: sqlite3.Connection) -> int:
     if row is None:
         row = conn.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()
     return int(row[0])
-
-
-def _read_only_mount(directory: Path) -> bool:
-    """Whether `directory` is on a file system mounted read-only (root writes anywhere else)."""
-    try:
-        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
-
-
-def _refusal(exc: sqlite3.OperationalError) -> type[StoreFull] | None:
-    """StoreFull for a disk that is full, StoreReadOnly for a database that cannot be
-    written (a file or directory made read-only under a running store), else None."""
-    code = getattr(exc, "sqlite_errorcode", 0) & 0xFF  # the primary code of an extended one
-    if code == sqlite3.SQLITE_FULL:
-        return StoreFull
-    return StoreReadOnly if code == sqlite3.SQLITE_READONLY else None
-
-
-def _corrupt(exc: sqlite3.DatabaseError) -> bool:
-    """SQLite's words for a file that is not (or no longer) a database."""
-    text = str(exc).lower()
-    return "malformed" in text or "not a database" in text
-
-
-@contextmanager
-def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
-    """BEGIN IMMEDIATE ... COMMIT, rolled back on any failure (including the commit)."""
-    # IMMEDIATE takes the write lock up front, so a read-then-write cannot hit SQLITE_BUSY midway.
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-        conn.execute("COMMIT")
-    except BaseException:
-        # Some errors (disk full, I/O) already rolled back; a second ROLLBACK would mask them.
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise
 
 
 def _evict(conn: sqlite3.Connection, total: int, max_bytes: int, *, keep: str) -> int:
