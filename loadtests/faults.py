@@ -27,6 +27,11 @@ with its own servers, bounded in time:
   disk-full        a disk store on a 1 MB tmpfs filled to the brim (a junk file, then entries
                    until the store refuses one): expect every stored entry still a HIT, the
                    same answer, and every new one `MISS; reason=store-full`
+  disk-full-restart  entries stored, the proxy stopped cleanly, an 8 MB tmpfs filled, the proxy
+                   started again: expect every stored entry a HIT, new ones `MISS;
+                   reason=store-full`, the breaker closed; then the junk removed: expect new
+                   answers stored again within ~10 s (the refusal backoff, then the store's
+                   writable retry: 5 s each)
   read-only        entries stored, the tmpfs remounted read-only, the proxy started on it:
                    expect every stored entry a HIT, new ones `MISS; reason=store-read-only`,
                    no crash; then the same after a writer that was SIGKILLed (its WAL left)
@@ -690,6 +695,70 @@ def disk_full(work: Path, args: argparse.Namespace) -> Outcome:
     return out
 
 
+async def _until_stored(url: str, within: float) -> tuple[float | None, list[str]]:
+    """A new prompt every 0.25 s until one is stored (a plain MISS, then a HIT): the seconds
+    that took (None: not within `within`), and the X-Cache of each try."""
+    started, caches = time.monotonic(), []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        for i in range(int(within / 0.25)):
+            body = chat(f"What does the hen eat? ({i})")
+            caches.append((await ask(s, url, body))[1])
+            if caches[-1] == "MISS" and (await ask(s, url, body))[1] == "HIT":
+                return time.monotonic() - started, caches
+            await asyncio.sleep(0.25)
+    return None, caches
+
+
+def disk_full_restart(work: Path, args: argparse.Namespace) -> Outcome:
+    out = Outcome("disk-full-restart", expected="restarted full: stored HIT, new store-full; "
+                  "room again: stored again")
+    store = "disk://{}"
+    try:
+        # (8 MB: room for the entries and their WAL, which a clean stop folds into the file)
+        with broken_disks.tmpfs(work / "tiny", size="8m") as tiny:
+            with children() as procs:  # a writer stores, and stops cleanly (no WAL left)
+                writer = in_process_proxy(procs, work, "--store", store.format(tiny))
+                stored, _ = asyncio.run(_store_until_refused(writer.url, args.pool))
+                writer.kill(signal.SIGTERM)
+            left = sorted(p.name for p in tiny.iterdir())
+            junk = broken_disks.fill(tiny)
+            with children() as procs:
+                proxy = in_process_proxy(procs, work, "--store", store.format(tiny))
+                again = asyncio.run(_again(proxy.url, list(stored)))
+                new = asyncio.run(_again(proxy.url, [f"What does the duck eat? ({i})"
+                                                     for i in range(args.pool)]))
+                logged = "disk_store_full" in proxy.log.read_text(errors="replace")
+                (tiny / "junk").unlink()
+                healed_s, healing = asyncio.run(_until_stored(proxy.url, within=30.0))
+                breaker = metric(proxy.url, "cacheproxy_store_breaker_open")
+                errors = metric(proxy.url, "cacheproxy_store_errors")
+    except MountImpossible as exc:
+        return _mount_failed(out, exc)
+    full = "MISS; reason=store-full"
+    answers = again + new
+    out.sent = len(answers) + len(healing)
+    out.succeeded = sum(1 for a in answers if a[0] == 200) + \
+        sum(1 for c in healing if c.startswith(("MISS", "HIT")))
+    out.failed = out.sent - out.succeeded
+    _reread(out, stored, again)
+    out.caches = dict(Counter([*(a[1] for a in answers), *healing]))
+    refused_new = sum(1 for a in new if a[1] == full)
+    out.extra = {"stored": len(stored), "files_after_stop": left, "junk_bytes": junk,
+                 "new_refused": refused_new, "logged_full": logged, "healed_s": healed_s,
+                 "tries_to_heal": len(healing), "breaker_open": breaker,
+                 "store_errors": errors}
+    healed = "never" if healed_s is None else f"{healed_s:.1f} s, {len(healing)} tries"
+    out.notes = (f"{len(stored)} entries stored, stopped ({', '.join(left)} left), "
+                 f"{junk // 1024} KiB of junk, restarted: re-read {len(again)}, "
+                 f"{refused_new}/{len(new)} new '{full}', disk_store_full logged {logged}; "
+                 f"junk removed: a new answer stored again after {healed}; breaker open "
+                 f"{breaker}, store errors {errors}")
+    out.ok = (out.failed == 0 and out.lost == 0 and out.corrupt == 0 and logged
+              and refused_new == len(new) and healed_s is not None and breaker == 0
+              and errors == 0)
+    return out
+
+
 def read_only(work: Path, args: argparse.Namespace) -> Outcome:
     out = Outcome("read-only", expected="stored entries HIT; new: MISS; reason=store-read-only")
     store = "disk://{}"
@@ -795,7 +864,7 @@ SCENARIOS: dict[str, Callable[[Path, argparse.Namespace], Outcome]] = {
     "redis-restart": redis_restart, "proxy-sigkill": proxy_sigkill,
     "runner-killed": runner_killed, "disconnects": disconnects, "hostile": hostile_requests,
     "soak": soak, "slowloris": slowloris, "unread": unread, "disk-full": disk_full,
-    "read-only": read_only, "corrupt": corrupt_db,
+    "disk-full-restart": disk_full_restart, "read-only": read_only, "corrupt": corrupt_db,
 }
 
 

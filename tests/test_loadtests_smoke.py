@@ -30,7 +30,7 @@ def test_smoke(name: str, tmp_path: Path) -> None:
     if name == "hit_path" and shutil.which("wrk") is None:
         pytest.skip("wrk is not installed")
     plot, row = SMOKES[name]
-    # (faults: eleven scenarios, each with servers of its own: ~50 s on an idle machine)
+    # (faults: twelve scenarios, each with servers of its own: ~55 s on an idle machine)
     done = subprocess.run([sys.executable, str(LOADTESTS / f"{name}.py"), "--smoke", "--out",
                            str(tmp_path)], capture_output=True, text=True,
                           timeout=240 if name == "faults" else 120)
