@@ -15,6 +15,7 @@ import redis
 
 from backends import BackendError, RedisBackend, listing, open_backend
 from backends.redis_keyspace import _PAGE_SCANS, _PURGE_REST, _PURGE_STEP
+from backends.resp import LaneError
 from tests.conftest_redis import StartServer
 from tests.redis_servers import RedisClusterNodes, RedisServer, TlsServer, free_port
 
@@ -248,9 +249,11 @@ class TestLoad:
 
 def _calls(request: pytest.FixtureRequest, command: str) -> int:
     """How many times the servers have run command so far."""
-    stats = [info(server, "commandstats") for server in _servers(request)]
-    return sum(int(s.get(f"cmdstat_{command}", {"calls": 0})["calls"])  # type: ignore[index]
-               for s in stats)
+    total = 0
+    for server in _servers(request):
+        stat = info(server, "commandstats").get(f"cmdstat_{command}")
+        total += int(stat["calls"]) if isinstance(stat, dict) else 0
+    return total
 
 
 def _scans(request: pytest.FixtureRequest) -> int:
@@ -392,6 +395,30 @@ class TestGetLane:
             with redis.Redis.from_url(redis_url) as client:
                 clients = client.client_list()
             assert len(clients) <= 3, clients
+        finally:
+            await store.aclose()
+
+    async def test_a_purge_runs_on_a_lane_of_its_own(self, redis_url: str) -> None:
+        store = open_redis(redis_url)
+        try:
+            await asyncio.gather(*(store.set(f"p/{i}", b"v") for i in range(2000)))
+            assert await store.get("p/0") == b"v"  # the GET lane is connected
+            purge = asyncio.create_task(store.purge_namespace("p"))
+            seen: list[set[str]] = []  # each connection's last command, while it runs
+            while not purge.done():  # (63 steps of >= 1 ms each)
+                with redis.Redis.from_url(redis_url) as client:
+                    seen.append({c["cmd"] for c in client.client_list()})
+                await asyncio.sleep(0.005)
+            assert any({"get", "scan"} <= s or {"get", "unlink"} <= s for s in seen), seen
+            assert await purge == 2000
+            lane = store._lane
+            assert lane is not None
+            sibling = lane.sibling()
+            try:
+                with pytest.raises(LaneError, match="unknown command"):
+                    await sibling.call(b"NO-SUCH-COMMAND")
+            finally:
+                sibling.close()
         finally:
             await store.aclose()
 
