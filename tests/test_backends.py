@@ -397,7 +397,8 @@ class TestBackendContract:
             got += chunk
             sizes.append(len(chunk))
         assert set(got) == wanted  # (SCAN may list a key twice: pages, not a set)
-        assert len(sizes) >= 250 // 80 and max(sizes) <= 80  # COUNT is a hint: about 40
+        # COUNT is a hint: SCAN returns about 40 keys a call, more while Redis rehashes.
+        assert len(sizes) >= 2 and max(sizes) < 4 * 40
         assert await listing.keys(store, "n/") == sorted(wanted)
         assert await listing.keys(store, "") == sorted([*wanted, "m/1", "n0", "o/1"])
         assert await listing.keys(store, "zz/") == []
@@ -712,6 +713,39 @@ class TestDiskBackend:
             assert await store.get("ns/new") == b"v"
         finally:
             other.close()
+            await store.aclose()
+
+    async def test_a_recency_write_leaves_the_checkpoint_to_the_purge_thread(
+        self, tmp_path: Path, clock: FakeClock
+    ) -> None:
+        """(#18 cost curves) Its commit checkpointed the WAL on the serving thread (5-20 ms
+        while a purge filled the WAL, every GET behind it waiting): the purge's thread
+        checkpoints instead, on its own connection, and the serving connection keeps
+        checkpointing its own writes."""
+        import threading
+
+        store = DiskBackend(tmp_path, clock=clock)
+        try:
+            for i in range(300):
+                await store.set(f"ns/{i}", b"v" * 100)
+            clock.advance(TOUCH_FLUSH_EVERY)
+            checkpoint, threads = store._checkpoint, []
+
+            def recorded() -> None:
+                threads.append(threading.current_thread().name)
+                checkpoint()
+
+            store._checkpoint = recorded  # type: ignore[method-assign]
+            for i in range(300):  # 256 recencies make a write
+                assert await store.get(f"ns/{i}") is not None
+            assert await store.get("ns/0") is not None  # (after that write, on its thread)
+            await asyncio.get_running_loop().run_in_executor(store._purger, lambda: None)
+            assert threads and all(t.startswith("cacheproxy-purge") for t in threads)
+            assert store.touches_dropped == 0
+            setting = await store._run(
+                lambda conn: conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0])
+            assert setting == 1000
+        finally:
             await store.aclose()
 
     async def test_a_read_only_store_serves_what_it_holds(self, tiny_disk: Path) -> None:
