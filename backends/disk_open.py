@@ -76,7 +76,14 @@ def open_database(directory: Path) -> Opened:
     database = directory / DB_FILENAME
     conn = sqlite3.connect(f"file:{quote(str(database))}?immutable=1", uri=True,
                            timeout=BUSY_TIMEOUT_S, isolation_level=None)
+    conn.execute(f"PRAGMA cache_size=-{PAGE_CACHE_KIB}")
     return Opened(conn, refusing)
+
+
+# SQLite's page cache per connection (KiB; its default is 2 MiB): random reads over a store
+# of a million entries (a 2 GB file) missed it at every B-tree level; measured on a 1M
+# store, GET p99 94 µs with the default, 19 µs with 64 MiB. It fills only as pages are read.
+PAGE_CACHE_KIB = 64 << 10
 
 
 def open_writable(directory: Path) -> sqlite3.Connection:
@@ -91,6 +98,7 @@ def open_writable(directory: Path) -> sqlite3.Connection:
         # NORMAL in WAL: a power cut may lose the last commits but never corrupts.
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA journal_size_limit=67108864")
+        conn.execute(f"PRAGMA cache_size=-{PAGE_CACHE_KIB}")
         for statement in _SCHEMA:
             conn.execute(statement)
         with transaction(conn):  # (with the triggers, so no row is counted twice or not)
