@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -158,3 +159,19 @@ async def miss_then_hit(session: aiohttp.ClientSession, url: str, ask: Ask
     async with session.get(url + "/v1/models") as resp:
         assert [m["id"] for m in (await resp.json())["data"]] == ["demo", "q"]
     return first
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MB tmpfs, unmounted at the end (mounting takes root, as .ci/run has: a test
+    fails, not skips, without it)."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(f"could not mount a 1 MB tmpfs on {mount}: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -13,7 +13,6 @@ import json
 import os
 import sqlite3
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,19 +37,6 @@ from tests.test_operability import _metrics
 CHAT = "/v1/chat/completions"
 
 
-@pytest.fixture
-def tiny_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MB tmpfs, unmounted at the end."""
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.fail(f"could not mount a 1 MB tmpfs on {mount}: {done.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def _fill(directory: Path) -> int:
