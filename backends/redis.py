@@ -22,10 +22,10 @@ from collections.abc import Callable
 from types import TracebackType
 
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError
 
 from backends import redis_keyspace
-from backends.base import BackendError, StoreStatsResult, expiry
+from backends.base import BackendError, StoreFull, StoreStatsResult, expiry
 from backends.redis_keyspace import Client
 from backends.resp import GetLane, LaneError
 from backends.tracking import ClusterTracking, Listener, TrackedLane
@@ -290,6 +290,8 @@ class _Guard:
     ) -> None:
         backend = self._backend
         backend._gate.release()
+        if isinstance(exc, OutOfMemoryError):  # maxmemory reached with nothing to evict
+            raise StoreFull(f"{backend!r}: {exc}") from exc
         if isinstance(exc, _FAILURES):
             raise BackendError(f"{backend!r}: {type(exc).__name__}: {exc}") from exc
 

@@ -31,6 +31,7 @@ from cacheproxy.service.memos import DecodedRecords
 from cacheproxy.service.storage import StoreAccess
 from policies.status import Reason
 from tests.conftest import Proxy, ProxyFactory
+from tests.conftest_redis import StartServer
 from tests.test_backends import FakeClock
 from tests.test_operability import _metrics
 
@@ -126,6 +127,36 @@ async def test_a_full_disk_serves_every_stored_entry_and_says_store_full(
                                             ("reason", "store-full"), ("status", "200")))] == 3
     assert m[("cacheproxy_store_breaker_open", ())] == 0
     assert m[("cacheproxy_store_errors", ())] == 0  # full is not down
+
+
+async def test_a_redis_at_maxmemory_serves_every_stored_entry_and_says_store_full(
+    make_proxy: ProxyFactory, start_redis: StartServer
+) -> None:
+    """A Redis that may not evict (maxmemory-policy noeviction) and has no room left refuses
+    writes with OOM: that is a full store, not an outage (the breaker stays closed)."""
+    import redis
+
+    server = start_redis("--maxmemory", "4mb", "--maxmemory-policy", "noeviction")
+    proxy = await make_proxy(store=f"{server.url}/0")
+    answers = await _store_some(proxy)
+    with redis.Redis.from_url(f"{server.url}/0") as client:
+        def to_the_brim() -> None:  # large values, then small ones (buffers come and go)
+            for size in (65536, 1024, 64):
+                with contextlib.suppress(redis.exceptions.OutOfMemoryError):
+                    for i in range(100000):
+                        client.set(f"junk/{size}/{i}/{os.urandom(4).hex()}", b"x" * size)
+
+        caches = []
+        for i in range(5):
+            to_the_brim()
+            caches.append((await _ask(proxy, f"What does the duck eat? ({i})"))[0])
+    assert "MISS; reason=store-full" in caches, caches
+    assert set(caches) <= {"MISS", "MISS; reason=store-full"}
+    await _stored_ones_hit(proxy, answers)
+    m = await _metrics(proxy)
+    assert m[("cacheproxy_store_writes_refused", (("reason", "store-full"),))] >= 1
+    assert m[("cacheproxy_store_breaker_open", ())] == 0
+    assert m[("cacheproxy_store_errors", ())] == 0
 
 
 async def test_a_read_only_store_serves_every_stored_entry_and_says_store_read_only(
