@@ -86,6 +86,7 @@ class DiskBackend:
         self.quarantined: list[Path] = []  # corrupt database files moved aside
         self._refusing: type[StoreRefused] | None = None  # opened read-only: what a write is
         self._writable_retry_at = 0.0  # (opened read-only on a full disk) when to try again
+        self._checkpoint_pending = False  # a checkpoint queued on the purge thread
 
     def __repr__(self) -> str:
         return f"DiskBackend({str(self._directory)!r}, max_bytes={self._max_bytes})"
@@ -140,6 +141,8 @@ class DiskBackend:
             if self._closed:
                 raise BackendError(f"{self!r} is closed")
             removed = await loop.run_in_executor(self._purger, self._purge_batch, namespace)
+            if removed:
+                self._writable_retry_at = 0.0  # (read-only on a full disk: reopen, see them)
             total += removed
             if removed < PURGE_BATCH:
                 return total
@@ -216,6 +219,11 @@ class DiskBackend:
             opened = open_database(self._directory)
             self._conn, self._data_version = opened.conn, None
             self._opened(opened.refusing)
+        elif self._refusing is StoreFull and self._clock() >= self._writable_retry_at:
+            # Opened read-only (immutable: it sees no other connection's commits, a purge's
+            # included) on a full disk: reads try to heal it too, not only writes.
+            with contextlib.suppress(StoreFull):
+                return self._writable(self._conn)
         # data_version moves only on other connections' commits (say `cacheproxy purge`);
         # read the total again then, so the running total never drifts from the table.
         (version,) = self._conn.execute("PRAGMA data_version").fetchone()
@@ -317,9 +325,13 @@ class DiskBackend:
             self.touches_dropped += len(touched)
             return
         finally:
-            with contextlib.suppress(sqlite3.Error):
+            with contextlib.suppress(sqlite3.Error):  # (each on its own: one failing
                 conn.execute(f"PRAGMA busy_timeout = {int(_BUSY_TIMEOUT_S * 1000)}")
+            with contextlib.suppress(sqlite3.Error):  # must not leave the other as it is)
                 conn.execute(f"PRAGMA wal_autocheckpoint = {_AUTOCHECKPOINT_PAGES}")
+        if self._checkpoint_pending or self._closed:
+            return  # one at a time: another flush's is still queued behind a purge batch
+        self._checkpoint_pending = True
         with contextlib.suppress(RuntimeError):  # (the store closing meanwhile)
             self._purger.submit(self._checkpoint)
 
@@ -327,6 +339,7 @@ class DiskBackend:
         """A PASSIVE checkpoint (it never waits for readers or writers), on the purge thread
         and a connection of its own, closed after: one left open would outlive the file
         if it were quarantined. A failure is left to the next one."""
+        self._checkpoint_pending = False
         uri = f"file:{quote(str(self._directory / DB_FILENAME))}?mode=rw"  # never creates
         with contextlib.suppress(sqlite3.Error, OSError), \
                 contextlib.closing(sqlite3.connect(uri, uri=True, timeout=0)) as conn:

@@ -64,6 +64,7 @@ class RedisBackend:
         self._discovered = not isinstance(client, RedisCluster)
         self._discovering = asyncio.Lock()
         self._closed = False
+        self._purge_lanes: set[GetLane] = set()  # purges in progress, each on its own lane
         self._guard = _Guard(self)
 
     def __repr__(self) -> str:
@@ -206,11 +207,13 @@ class RedisBackend:
             if self._lane is None:
                 return await redis_keyspace.purge_namespace(self._client, namespace)
             lane = self._lane.sibling()
+            self._purge_lanes.add(lane)  # (closed by aclose too: a purge ends with its store)
             try:
                 return await redis_keyspace.purge_on_lane(lane, namespace)
             except LaneError as exc:
                 raise BackendError(f"{self!r}: {exc}") from exc
             finally:
+                self._purge_lanes.discard(lane)
                 lane.close()
 
     async def scan_page(self, prefix: str, *, cursor: str = "",
@@ -242,6 +245,8 @@ class RedisBackend:
         self._closed = True
         if self._lane is not None:
             self._lane.close()
+        for lane in list(self._purge_lanes):
+            lane.close()
         if self._cluster_tracking is not None:
             self._cluster_tracking.close()
         with contextlib.suppress(*_FAILURES):  # nothing left to release on a dead connection

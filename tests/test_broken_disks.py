@@ -323,6 +323,32 @@ async def test_a_store_opened_on_a_full_disk_serves_read_only_then_heals(
         await store.aclose()
 
 
+async def test_a_store_opened_on_a_full_disk_sees_a_purge_by_reads_alone(
+    tiny_disk: Path
+) -> None:
+    """Opened read-only on a full disk (an immutable connection sees no other commit), the
+    store heals on a read too: once there is room, a purge by another process is seen
+    within WRITABLE_RETRY although nothing is written here; its own purge at once."""
+    clock = FakeClock()
+    store = DiskBackend(tiny_disk, clock=clock)
+    values = await _fill_store(store)
+    await store.aclose()
+    _fill(tiny_disk)
+    store = DiskBackend(tiny_disk, clock=clock)
+    other = DiskBackend(tiny_disk)
+    try:
+        assert await store.get("ns/0") == values["ns/0"]  # read-only now
+        (tiny_disk / "junk").unlink()
+        assert await other.delete("ns/0")  # another process, with room again
+        clock.advance(disk.WRITABLE_RETRY)
+        assert await store.get("ns/0") is None, "a read-only store served a purged entry"
+        assert await store.purge_namespace("ns") == len(values) - 1
+        assert await store.get("ns/1") is None
+    finally:
+        await other.aclose()
+        await store.aclose()
+
+
 async def test_a_corrupt_file_met_read_only_is_quarantined_once_there_is_room(
     tiny_disk: Path
 ) -> None:
