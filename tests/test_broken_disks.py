@@ -288,15 +288,22 @@ async def _fill_store(store: DiskBackend, entries: int = 20) -> dict[str, bytes]
     return values
 
 
+async def _reopened_on_a_full_disk(directory: Path, clock: FakeClock
+                                   ) -> tuple[DiskBackend, dict[str, bytes]]:
+    """A store filled and closed cleanly, the disk then filled, the store opened again (on
+    `clock`); and what it holds."""
+    store = DiskBackend(directory, clock=clock)
+    values = await _fill_store(store)
+    await store.aclose()
+    _fill(directory)
+    return DiskBackend(directory, clock=clock), values
+
+
 async def test_a_store_opened_on_a_full_disk_serves_read_only_then_heals(
     tiny_disk: Path
 ) -> None:
     clock = FakeClock()
-    store = DiskBackend(tiny_disk, clock=clock)
-    values = await _fill_store(store)
-    await store.aclose()
-    _fill(tiny_disk)
-    store = DiskBackend(tiny_disk, clock=clock)
+    store, values = await _reopened_on_a_full_disk(tiny_disk, clock)
     try:
         with capture_logs() as logs:
             assert {k: await store.get(k) for k in values} == values
@@ -330,11 +337,7 @@ async def test_a_store_opened_on_a_full_disk_sees_a_purge_by_reads_alone(
     store heals on a read too: once there is room, a purge by another process is seen
     within WRITABLE_RETRY although nothing is written here; its own purge at once."""
     clock = FakeClock()
-    store = DiskBackend(tiny_disk, clock=clock)
-    values = await _fill_store(store)
-    await store.aclose()
-    _fill(tiny_disk)
-    store = DiskBackend(tiny_disk, clock=clock)
+    store, values = await _reopened_on_a_full_disk(tiny_disk, clock)
     other = DiskBackend(tiny_disk)
     try:
         assert await store.get("ns/0") == values["ns/0"]  # read-only now
