@@ -30,6 +30,7 @@ from backends.base import (
 from backends.disk_open import BUSY_TIMEOUT_S as _BUSY_TIMEOUT_S
 from backends.disk_open import DB_FILENAME as DB_FILENAME  # (named here by tests and tools)
 from backends.disk_open import (
+    PAGE_CACHE_KIB,
     corrupt,
     open_database,
     open_writable,
@@ -38,6 +39,8 @@ from backends.disk_open import (
     too_full,
 )
 from backends.disk_open import transaction as _transaction
+from backends.disk_purger import Purger
+from backends.disk_purger import bounds as _bounds
 
 log = structlog.get_logger("cacheproxy.store.disk")
 DEFAULT_DISK_MAX_BYTES = 1024 * 1024 * 1024
@@ -72,8 +75,10 @@ class DiskBackend:
         self._max_bytes = check_max_bytes(max_bytes)
         self._clock = clock
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheproxy-disk")
-        self._purger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheproxy-purge")
-        self._purge_conn: sqlite3.Connection | None = None  # the purge thread's own
+        # WAL checkpoints, off the serving thread (see _flush_touches).
+        self._checkpointer = ThreadPoolExecutor(max_workers=1,
+                                                thread_name_prefix="cacheproxy-checkpoint")
+        self._purgers: set[Purger] = set()  # the purges' child processes, while they run
         # Touched only on the worker thread; opened lazily so construction never blocks.
         self._conn: sqlite3.Connection | None = None
         self._bytes = 0
@@ -86,7 +91,7 @@ class DiskBackend:
         self.quarantined: list[Path] = []  # corrupt database files moved aside
         self._refusing: type[StoreRefused] | None = None  # opened read-only: what a write is
         self._writable_retry_at = 0.0  # (opened read-only on a full disk) when to try again
-        self._checkpoint_pending = False  # a checkpoint queued on the purge thread
+        self._checkpoint_pending = False  # a checkpoint queued on its thread
 
     def __repr__(self) -> str:
         return f"DiskBackend({str(self._directory)!r}, max_bytes={self._max_bytes})"
@@ -131,21 +136,40 @@ class DiskBackend:
         return await self._run(lambda conn: self._delete(conn, key, now))
 
     async def purge_namespace(self, namespace: str) -> int:
-        """Delete every key starting with namespace + "/", in batches; return the count."""
+        """Delete every key starting with namespace + "/", in batches; return the count.
+        The batches run in a child process (backends/disk_purger.py), on a connection of
+        its own: reads never wait for it (WAL readers do not wait for the writer), nor share
+        the interpreter with it, and the serving connection takes the new byte total from
+        the database (O(1)) when it sees the commits."""
+        if self._closed:
+            raise BackendError(f"{self!r} is closed")
+        database = self._directory / DB_FILENAME
+        if not database.exists():
+            return 0  # (nothing was ever stored here)
+        await self._run(lambda conn: None)  # (opened: how it was opened is known)
+        if self._refusing is StoreReadOnly:
+            raise StoreReadOnly(f"disk store {str(self._directory)!r} is read-only: "
+                                "nothing can be purged")
+        try:
+            purger = await Purger.start(database, namespace, batch=PURGE_BATCH,
+                                        busy_timeout_s=_BUSY_TIMEOUT_S, cache_kib=PAGE_CACHE_KIB)
+        except OSError as exc:
+            raise BackendError(f"{self!r}: cannot start a purge process: {exc}") from exc
+        self._purgers.add(purger)
         total = 0
-        loop = asyncio.get_running_loop()
-        while True:
-            # On a connection and thread of its own: reads never wait for it (WAL readers
-            # do not wait for the writer), and the serving connection takes the new byte
-            # total from the database (O(1)) when it sees the commits.
-            if self._closed:
-                raise BackendError(f"{self!r} is closed")
-            removed = await loop.run_in_executor(self._purger, self._purge_batch, namespace)
-            if removed:
-                self._writable_retry_at = 0.0  # (read-only on a full disk: reopen, see them)
-            total += removed
-            if removed < PURGE_BATCH:
-                return total
+        try:
+            while True:
+                if self._closed:
+                    raise BackendError(f"{self!r} is closed")
+                removed = await self._purge_step(purger)
+                if removed:
+                    self._writable_retry_at = 0.0  # (read-only on a full disk: reopen, see)
+                total += removed
+                if removed < PURGE_BATCH:
+                    return total
+        finally:
+            self._purgers.discard(purger)
+            await purger.aclose()
 
     async def scan(self, prefix: str, *, after: str = "", limit: int = 1000) -> list[str]:
         """Keys starting with prefix and greater than after, sorted, at most limit."""
@@ -170,12 +194,19 @@ class DiskBackend:
             loop = asyncio.get_running_loop()
             self._close_done = loop.run_in_executor(self._executor, self._close_conn)
             self._executor.shutdown(wait=False)
-            purger_done = loop.run_in_executor(self._purger, self._close_purge_conn)
-            self._purger.shutdown(wait=False)
-            await purger_done
+            self._checkpointer.shutdown(wait=False)
+            for purger in list(self._purgers):  # (each purge raises at its next step)
+                await purger.aclose()
         await self._close_done
 
     # -- event-loop side ------------------------------------------------------------
+
+    async def _purge_step(self, purger: Purger) -> int:
+        """One batch of a purge, by its child process."""
+        try:
+            return await purger.step()
+        except (sqlite3.Error, OSError) as exc:
+            raise store_error(self._directory, exc) from exc
 
     async def _run(self, op: Callable[[sqlite3.Connection], _T]) -> _T:
         if self._closed:
@@ -309,7 +340,7 @@ class DiskBackend:
         GETs queued behind it on this thread waited with it, 10 ms-1.3 s at a time while a
         purge held the lock batch after batch (#18 cost curves); a locked database drops
         them too. Nor does its commit checkpoint the WAL here (5-20 ms while a purge fills
-        it): the purge's thread does, after it."""
+        it): the checkpoint thread does, after it."""
         touched, self._touched = self._touched, {}
         conn = self._conn
         if not touched or conn is None:
@@ -330,13 +361,13 @@ class DiskBackend:
             with contextlib.suppress(sqlite3.Error):  # must not leave the other as it is)
                 conn.execute(f"PRAGMA wal_autocheckpoint = {_AUTOCHECKPOINT_PAGES}")
         if self._checkpoint_pending or self._closed:
-            return  # one at a time: another flush's is still queued behind a purge batch
+            return  # one at a time: another flush's is still queued
         self._checkpoint_pending = True
         with contextlib.suppress(RuntimeError):  # (the store closing meanwhile)
-            self._purger.submit(self._checkpoint)
+            self._checkpointer.submit(self._checkpoint)
 
     def _checkpoint(self) -> None:
-        """A PASSIVE checkpoint (it never waits for readers or writers), on the purge thread
+        """A PASSIVE checkpoint (it never waits for readers or writers), on its own thread
         and a connection of its own, closed after: one left open would outlive the file
         if it were quarantined. A failure is left to the next one."""
         self._checkpoint_pending = False
@@ -382,28 +413,9 @@ class DiskBackend:
         self._bytes -= row[0]
         return not is_expired(row[1], now)
 
-    def _purge_batch(self, namespace: str) -> int:
-        """One batch of a purge, on the purge thread and its connection."""
-        try:
-            if self._purge_conn is None:
-                self._purge_conn = open_writable(self._directory)  # (a purge only writes)
-            return _purge(self._purge_conn, namespace, PURGE_BATCH)
-        except (sqlite3.Error, OSError) as exc:
-            raise store_error(self._directory, exc) from exc
-
-    def _close_purge_conn(self) -> None:
-        if self._purge_conn is not None:
-            conn, self._purge_conn = self._purge_conn, None
-            conn.close()
-
     def _stats(self, conn: sqlite3.Connection) -> StoreStatsResult:
         (count,) = conn.execute("SELECT COUNT(*) FROM entries").fetchone()
         return StoreStatsResult(int(count), self._bytes, self._max_bytes)
-
-
-def _bounds(prefix: str) -> tuple[str, str]:
-    """[prefix, successor) as a key range: every key that starts with prefix."""
-    return prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
 def _scan(conn: sqlite3.Connection, prefix: str, after: str, limit: int) -> list[str]:
@@ -416,17 +428,6 @@ def _scan(conn: sqlite3.Connection, prefix: str, after: str, limit: int) -> list
         (start, high, limit),
     ).fetchall()
     return [k for (k,) in rows]
-
-
-def _purge(conn: sqlite3.Connection, namespace: str, batch: int) -> int:
-    # A key range instead of LIKE: it uses the primary key and needs no escaping.
-    bounds = _bounds(namespace + "/")
-    with _transaction(conn):
-        rows = conn.execute(
-            "SELECT key FROM entries WHERE key >= ? AND key < ? LIMIT ?", (*bounds, batch),
-        ).fetchall()
-        conn.executemany("DELETE FROM entries WHERE key = ?", rows)
-    return len(rows)
 
 
 def _total(conn: sqlite3.Connection) -> int:

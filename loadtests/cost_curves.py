@@ -30,7 +30,8 @@ At each size:
 Then the purge: a second namespace gets 10k entries (--other), its hit p99 is measured, then
 the big namespace is purged with `purge_namespace()` (what the admin API, `cacheproxy purge`
 and the invalidator's background purge call) in the same process and event loop, as a
-serving proxy would run it, while the same GETs on the second namespace run; then once more
+serving proxy would run it (the disk store has its batches done by a child process of its
+own, backends/disk_purger.py), while the same GETs on the second namespace run; then once more
 after the purge. Then the namespace is filled again and purged by `cacheproxy purge`'s own
 code (cacheproxy/cli/store.py `purge`) in a child process, as an operator would, with the
 same GETs (--no-cli-purge skips this). Each purge runs and pauses in turns of 0.1 s
@@ -543,16 +544,18 @@ running = threading.Event()
 running.set()
 signal.signal(signal.SIGUSR1, lambda *_: running.clear())
 signal.signal(signal.SIGUSR2, lambda *_: running.set())
-batch, rest = DiskBackend._purge_batch, redis_keyspace._rest
-def gated_batch(self, namespace):
-    running.wait()
-    return batch(self, namespace)
-async def gated_rest(started):
-    waited = time.monotonic()
+step, rest = DiskBackend._purge_step, redis_keyspace._rest
+async def paused():
     while not running.is_set():
         await asyncio.sleep(0.001)
+async def gated_step(self, purger):
+    await paused()
+    return await step(self, purger)
+async def gated_rest(started):
+    waited = time.monotonic()
+    await paused()
     return await rest(started + time.monotonic() - waited)
-DiskBackend._purge_batch, redis_keyspace._rest = gated_batch, gated_rest
+DiskBackend._purge_step, redis_keyspace._rest = gated_step, gated_rest
 print("ready", flush=True)
 sys.stdin.readline()
 code = asyncio.run(purge(sys.argv[1], superseded=False, namespace=sys.argv[2], key=None,
@@ -569,12 +572,11 @@ class Turns:
     (here: other engineers' test suites and benchmarks, load 2-5) weighs on both alike,
     where a "before" measured a minute earlier may have met another load. A purge pauses
     between two of its steps, through the store's own step function, wrapped (Redis:
-    redis_keyspace._rest, the rest after each step; disk: DiskBackend._purge_batch, on the
-    purge's thread): here, or in the child (PURGE_CHILD, told by SIGUSR1 and SIGUSR2)."""
+    redis_keyspace._rest, the rest after each step; disk: DiskBackend._purge_step, which
+    asks the purge's own child process for a batch): here, or in the child (PURGE_CHILD,
+    told by SIGUSR1 and SIGUSR2)."""
 
     def __init__(self, name: str, store: Any, child: Any, turn: float) -> None:
-        import threading
-
         self.turn = turn
         self.running = True
         self.switched = time.perf_counter()
@@ -582,8 +584,6 @@ class Turns:
         self._child = child
         self._gate = asyncio.Event()
         self._gate.set()
-        self._thread_gate = threading.Event()
-        self._thread_gate.set()
         self._undo: list[Any] = []
         if child is None and turn > 0:
             self._wrap(name, store)
@@ -603,15 +603,15 @@ class Turns:
             redis_keyspace._rest = gated  # type: ignore[assignment]
             self._undo.append(lambda: setattr(redis_keyspace, "_rest", rest))
         else:
-            batch = store._purge_batch
-            thread_gate = self._thread_gate
+            step = store._purge_step
+            gate = self._gate
 
-            def gated_batch(namespace: str) -> int:
-                thread_gate.wait()
-                return int(batch(namespace))
+            async def gated_step(purger: Any) -> int:
+                await gate.wait()
+                return int(await step(purger))
 
-            store._purge_batch = gated_batch
-            self._undo.append(lambda: delattr(store, "_purge_batch"))
+            store._purge_step = gated_step
+            self._undo.append(lambda: delattr(store, "_purge_step"))
 
     def tick(self, now: float) -> None:
         """Pause or resume when a turn is over."""
@@ -628,8 +628,7 @@ class Turns:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self._child.pid, signal.SIGUSR2 if running else signal.SIGUSR1)
             return
-        for gate in (self._gate, self._thread_gate):
-            gate.set() if running else gate.clear()
+        self._gate.set() if running else self._gate.clear()
 
     def close(self, now: float) -> None:
         """Resume for good and unwrap."""
