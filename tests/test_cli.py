@@ -18,6 +18,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from cacheproxy.cli.settings import Settings
 from cacheproxy.keys import fingerprint as fp
 from cacheproxy.runners.demo.model import BUNDLED_MODEL
 from cacheproxy.runners.mlx import local_fingerprint
@@ -107,6 +108,19 @@ def test_env_setting_and_flag_precedence() -> None:
     assert build_settings({}, env).sampling == "seeded"
     with pytest.raises(ValueError, match="sampling"):
         build_settings({}, {"CACHEPROXY_SAMPLING": "wild"})
+
+
+def test_a_model_path_with_an_equals_sign_is_a_path_not_an_id() -> None:
+    """A spec that starts as a path (/, ~, .) is a path, `=` and all; ID=PATH as before."""
+    def served(model: str, model_id: str = "") -> tuple[tuple[str, str], ...]:
+        return Settings(model=model, model_id=model_id).served_models
+
+    assert served("/m/a=b") == (("/m/a=b", "/m/a=b"),)
+    assert served("/m/a=b", "mine") == (("mine", "/m/a=b"),)
+    assert served("x=/m/a=b,./y=z") == (("x", "/m/a=b"), ("./y=z", "./y=z"))
+    assert served("org/name=~/m") == (("org/name", "~/m"),)
+    with pytest.raises(ValueError, match="'x='"):
+        served("x=,y=/m")
 
 
 def test_demo_model_copy_is_the_bundled_model(tmp_path: Path) -> None:

@@ -150,16 +150,25 @@ def _named(value: str, setting: str, model_id: str) -> tuple[tuple[str, str], ..
     """(id, path) of each `[ID=]PATH` in a comma-separated setting: a lone bare PATH is
     named by --model-id; any other bare PATH by the demo's name for the bundled model, else
     by the PATH itself."""
-    specs = [part.strip() for part in value.split(",") if part.strip()]
-    if len(specs) == 1 and "=" not in specs[0]:
-        return ((model_id or _default_name(specs[0]), specs[0]),)
+    specs = [_split(part.strip()) for part in value.split(",") if part.strip()]
+    if len(specs) == 1 and not specs[0][0]:
+        path = specs[0][1]
+        return ((model_id or _default_name(path), path),)
     named = []
-    for spec in specs:
-        name, _, path = spec.partition("=") if "=" in spec else ("", "", spec)
+    for name, path in specs:
         if not path:
-            raise ValueError(f"invalid value for setting '{setting}': {spec!r} (ID=PATH)")
+            raise ValueError(f"invalid value for setting '{setting}': {name + '='!r} (ID=PATH)")
         named.append((name or _default_name(path), path))
     return tuple(named)
+
+
+def _split(spec: str) -> tuple[str, str]:
+    """("ID", "PATH") of `ID=PATH`; ("", spec) of a bare path, which is also what a spec
+    that starts as a path does (`/`, `~`, `.`): `/models/a=b` is a directory's name."""
+    name, sep, path = spec.partition("=")
+    if not sep or name.startswith(("/", "~", ".")):
+        return "", spec
+    return name, path
 
 
 def _default_name(path: str) -> str:
