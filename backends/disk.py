@@ -194,9 +194,12 @@ class DiskBackend:
             loop = asyncio.get_running_loop()
             self._close_done = loop.run_in_executor(self._executor, self._close_conn)
             self._executor.shutdown(wait=False)
+            # (done once the checkpoint queued, if any, is)
+            checkpointed = loop.run_in_executor(self._checkpointer, lambda: None)
             self._checkpointer.shutdown(wait=False)
             for purger in list(self._purgers):  # (each purge raises at its next step)
                 await purger.aclose()
+            await checkpointed
         await self._close_done
 
     # -- event-loop side ------------------------------------------------------------
