@@ -10,7 +10,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
-from urllib.parse import quote
 
 import structlog
 
@@ -41,20 +40,17 @@ from backends.disk_open import (
 from backends.disk_open import transaction as _transaction
 from backends.disk_purger import Purger
 from backends.disk_purger import bounds as _bounds
+from backends.disk_recency import Recencies
 
 log = structlog.get_logger("cacheproxy.store.disk")
 DEFAULT_DISK_MAX_BYTES = 1024 * 1024 * 1024
-TOUCH_EVERY = 1.0  # seconds: a read refreshes an entry's recency at most this often
-# A read never writes: the recencies it refreshes are written together, as a job of their
-# own on the worker thread (so a full disk, where that write fails, costs no read).
-TOUCH_BATCH = 256
-TOUCH_FLUSH_EVERY = 2.0
+# seconds: a read refreshes an entry's recency at most this often (never by writing:
+# backends/disk_recency.py writes them in batches, off the store's thread)
+TOUCH_EVERY = 1.0
 # A store opened read-only on a full disk tries to open it writable again, on a write, at
 # most this often (seconds of its clock): it heals once there is room, at little cost.
 WRITABLE_RETRY = 5.0
 _EVICT_BATCH = 64
-
-_AUTOCHECKPOINT_PAGES = 1000  # SQLite's default, which the store's own writes keep
 
 _T = TypeVar("_T")
 
@@ -75,9 +71,7 @@ class DiskBackend:
         self._max_bytes = check_max_bytes(max_bytes)
         self._clock = clock
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheproxy-disk")
-        # WAL checkpoints, off the serving thread (see _flush_touches).
-        self._checkpointer = ThreadPoolExecutor(max_workers=1,
-                                                thread_name_prefix="cacheproxy-checkpoint")
+        self._recencies = Recencies(self._directory / DB_FILENAME)
         self._purgers: set[Purger] = set()  # the purges' child processes, while they run
         # Touched only on the worker thread; opened lazily so construction never blocks.
         self._conn: sqlite3.Connection | None = None
@@ -85,13 +79,9 @@ class DiskBackend:
         self._data_version: int | None = None
         self._closed = False
         self._close_done: asyncio.Future[None] | None = None
-        self._touched: dict[str, float] = {}  # key -> read time, written in batches
-        self._flushed_at = 0.0
-        self.touches_dropped = 0  # recencies not written (a full or read-only disk)
         self.quarantined: list[Path] = []  # corrupt database files moved aside
         self._refusing: type[StoreRefused] | None = None  # opened read-only: what a write is
         self._writable_retry_at = 0.0  # (opened read-only on a full disk) when to try again
-        self._checkpoint_pending = False  # a checkpoint queued on its thread
 
     def __repr__(self) -> str:
         return f"DiskBackend({str(self._directory)!r}, max_bytes={self._max_bytes})"
@@ -107,6 +97,11 @@ class DiskBackend:
         return self._max_bytes
 
     @property
+    def touches_dropped(self) -> int:
+        """Recencies of reads not written (a full disk, say): LRU is the poorer for them."""
+        return self._recencies.dropped
+
+    @property
     def read_only(self) -> bool:
         """Opened on a read-only directory or file system: it serves what it holds."""
         return self._refusing is StoreReadOnly
@@ -115,13 +110,11 @@ class DiskBackend:
         """The value (its recency refreshed in a later batch); an expired row misses."""
         now = self._clock()
         value = await self._run(lambda conn: self._get(conn, key, now))
-        touched = len(self._touched)
-        if touched and (touched >= TOUCH_BATCH or now - self._flushed_at >= TOUCH_FLUSH_EVERY) \
-                and not self._closed:
-            self._flushed_at = now
-            # Not awaited: the next job on the worker thread, after this read answered.
+        if self._recencies.due(now) and not self._closed:
+            # Not awaited: the next job on the worker thread (a hand-off, not a write).
             with contextlib.suppress(RuntimeError):  # (the store closing meanwhile)
-                asyncio.get_running_loop().run_in_executor(self._executor, self._flush_touches)
+                asyncio.get_running_loop().run_in_executor(self._executor,
+                                                           self._recencies.hand_off)
         return value
 
     async def set(self, key: str, value: bytes, ttl: float | None = None) -> None:
@@ -188,19 +181,20 @@ class DiskBackend:
         return await self._run(self._stats)
 
     async def aclose(self) -> None:
-        """Close the connection on its thread and stop the worker; idempotent."""
+        """Close the connection on its thread (the recencies written first), stop the
+        worker and end the purges under way; idempotent."""
         if self._close_done is None:
             self._closed = True
-            loop = asyncio.get_running_loop()
-            self._close_done = loop.run_in_executor(self._executor, self._close_conn)
-            self._executor.shutdown(wait=False)
-            # (done once the checkpoint queued, if any, is)
-            checkpointed = loop.run_in_executor(self._checkpointer, lambda: None)
-            self._checkpointer.shutdown(wait=False)
-            for purger in list(self._purgers):  # (each purge raises at its next step)
-                await purger.aclose()
-            await checkpointed
+            self._close_done = asyncio.ensure_future(self._close())
         await self._close_done
+
+    async def _close(self) -> None:
+        closed = asyncio.get_running_loop().run_in_executor(self._executor, self._close_conn)
+        self._executor.shutdown(wait=False)
+        for purger in list(self._purgers):  # (each purge raises at its next step)
+            await purger.aclose()
+        await closed
+        await self._recencies.aclose()
 
     # -- event-loop side ------------------------------------------------------------
 
@@ -242,7 +236,8 @@ class DiskBackend:
         connection starts a fresh one; say so loudly."""
         self._close_conn(flush=False)
         aside = quarantine(self._directory)
-        self._bytes, self._data_version, self._touched = 0, None, {}
+        self._bytes, self._data_version = 0, None
+        self._recencies.clear()
         self.quarantined.append(aside)
         log.warning("disk_store_quarantined", error=str(exc), moved_to=str(aside),
                     note="a fresh database was started; the entries in the old one are lost")
@@ -308,7 +303,7 @@ class DiskBackend:
 
     def _close_conn(self, *, flush: bool = True) -> None:
         if flush:
-            self._flush_touches()
+            self._recencies.settle(self._conn)
         if self._conn is not None:
             conn, self._conn = self._conn, None
             conn.close()
@@ -333,56 +328,13 @@ class DiskBackend:
             return None
         if now - accessed_at >= TOUCH_EVERY and self._refusing is None:
             # Recency to the second is enough for LRU, and saves a write on most hits.
-            self._touched[key] = now
+            self._recencies.record(key, now)
         return value
-
-    def _flush_touches(self) -> None:
-        """Write the recorded recencies in one transaction; on failure drop them (recency
-        is a hint for eviction: reads go on, from a full disk too). It never waits for
-        another connection's write lock (a purge's, here or in `cacheproxy purge`): the
-        GETs queued behind it on this thread waited with it, 10 ms-1.3 s at a time while a
-        purge held the lock batch after batch (#18 cost curves); a locked database drops
-        them too. Nor does its commit checkpoint the WAL here (5-20 ms while a purge fills
-        it): the checkpoint thread does, after it."""
-        touched, self._touched = self._touched, {}
-        conn = self._conn
-        if not touched or conn is None:
-            return
-        try:
-            conn.execute("PRAGMA busy_timeout = 0")
-            conn.execute("PRAGMA wal_autocheckpoint = 0")
-            with _transaction(conn):
-                conn.executemany(
-                    "UPDATE entries SET accessed_at = ? WHERE key = ? AND accessed_at < ?",
-                    [(t, k, t) for k, t in touched.items()])
-        except (sqlite3.Error, OSError):
-            self.touches_dropped += len(touched)
-            return
-        finally:
-            with contextlib.suppress(sqlite3.Error):  # (each on its own: one failing
-                conn.execute(f"PRAGMA busy_timeout = {int(_BUSY_TIMEOUT_S * 1000)}")
-            with contextlib.suppress(sqlite3.Error):  # must not leave the other as it is)
-                conn.execute(f"PRAGMA wal_autocheckpoint = {_AUTOCHECKPOINT_PAGES}")
-        if self._checkpoint_pending or self._closed:
-            return  # one at a time: another flush's is still queued
-        self._checkpoint_pending = True
-        with contextlib.suppress(RuntimeError):  # (the store closing meanwhile)
-            self._checkpointer.submit(self._checkpoint)
-
-    def _checkpoint(self) -> None:
-        """A PASSIVE checkpoint (it never waits for readers or writers), on its own thread
-        and a connection of its own, closed after: one left open would outlive the file
-        if it were quarantined. A failure is left to the next one."""
-        self._checkpoint_pending = False
-        uri = f"file:{quote(str(self._directory / DB_FILENAME))}?mode=rw"  # never creates
-        with contextlib.suppress(sqlite3.Error, OSError), \
-                contextlib.closing(sqlite3.connect(uri, uri=True, timeout=0)) as conn:
-            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     def _set(self, conn: sqlite3.Connection, key: str, value: bytes,
              expires_at: float | None, now: float) -> None:
         conn = self._writable(conn)
-        self._flush_touches()  # eviction below sees the reads' recency
+        self._recencies.settle(conn)  # eviction below sees the reads' recency
         self._insert(conn, key, value, expires_at, now)
 
     def _insert(self, conn: sqlite3.Connection, key: str, value: bytes,
