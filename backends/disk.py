@@ -41,6 +41,7 @@ from backends.disk_open import transaction as _transaction
 from backends.disk_purger import Purger
 from backends.disk_purger import bounds as _bounds
 from backends.disk_recency import Recencies
+from backends.disk_recency import write as _write_recencies
 
 log = structlog.get_logger("cacheproxy.store.disk")
 DEFAULT_DISK_MAX_BYTES = 1024 * 1024 * 1024
@@ -186,13 +187,13 @@ class DiskBackend:
         if self._close_done is None:
             self._closed = True
             self._close_done = asyncio.ensure_future(self._close())
-        await self._close_done
+        await asyncio.shield(self._close_done)  # (a cancelled caller leaves it to finish)
 
     async def _close(self) -> None:
         closed = asyncio.get_running_loop().run_in_executor(self._executor, self._close_conn)
         self._executor.shutdown(wait=False)
-        for purger in list(self._purgers):  # (each purge raises at its next step)
-            await purger.aclose()
+        # (each purge raises at its next step; one still starting ends itself so)
+        await asyncio.gather(*(purger.aclose() for purger in list(self._purgers)))
         await closed
         await self._recencies.aclose()
 
@@ -235,9 +236,9 @@ class DiskBackend:
         """Move a corrupt database file aside (disk_open.quarantine), so that the next
         connection starts a fresh one; say so loudly."""
         self._close_conn(flush=False)
-        aside = quarantine(self._directory)
+        self._recencies.forget()  # (before the file moves: no recency write under way)
+        aside = quarantine(self._directory)  # (a purge's child fails, or ends on the old file)
         self._bytes, self._data_version = 0, None
-        self._recencies.clear()
         self.quarantined.append(aside)
         log.warning("disk_store_quarantined", error=str(exc), moved_to=str(aside),
                     note="a fresh database was started; the entries in the old one are lost")
@@ -334,14 +335,23 @@ class DiskBackend:
     def _set(self, conn: sqlite3.Connection, key: str, value: bytes,
              expires_at: float | None, now: float) -> None:
         conn = self._writable(conn)
-        self._recencies.settle(conn)  # eviction below sees the reads' recency
-        self._insert(conn, key, value, expires_at, now)
+        read = self._recencies.settled()  # eviction below sees the reads' recency
+        try:
+            self._insert(conn, key, value, expires_at, now, read)
+        except BaseException:
+            self._recencies.drop(len(read))
+            raise
 
     def _insert(self, conn: sqlite3.Connection, key: str, value: bytes,
-                expires_at: float | None, now: float) -> None:
+                expires_at: float | None, now: float, read: dict[str, float]) -> None:
+        """Store the entry and the recencies read (one transaction: the write lock once),
+        evicting from the byte total as it is then: another process's purge may have
+        committed while this waited for the lock."""
         size = entry_size(key, value)
-        total = self._bytes
         with _transaction(conn):
+            if read:
+                _write_recencies(conn, read)
+            total = _total(conn)
             old = conn.execute("SELECT size FROM entries WHERE key = ?", (key,)).fetchone()
             if old is not None:
                 # The old value is stale even if the new one is too big to keep.

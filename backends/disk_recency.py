@@ -6,10 +6,10 @@ one batch at a time, then a PASSIVE checkpoint of the WAL there too (a store tha
 read still checkpoints). Written on the store's one thread, ahead of the next reads, they
 held every GET behind them: 35-60 ms for 256 recencies at a million entries (4 ms at 10k:
 random pages of the table and of its index by access time), up to 1.3 s while a purge held
-the write lock (#18 cost curves). Before an eviction, and at close, the store settles them
-(`settle`): the batch in flight is waited for and the rest written on the store's own
-connection, so that eviction sees every read recorded before it. Recency is a hint: on a
-full disk, or past the bound on those waiting, they are dropped and counted.
+the write lock (#18 cost curves). Before an eviction the store waits for the batch in flight
+and writes the rest in the write's own transaction (`settled`, `write`); at close it does the
+same in one of its own (`settle`): eviction sees every read recorded before it. Recency is a
+hint: on a full disk, or past the bound on those waiting, they are dropped and counted.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Recencies:
     def record(self, key: str, now: float) -> None:
         """(the store's thread) A read of key at now."""
         if len(self._pending) >= PENDING_LIMIT and key not in self._pending:
-            self._drop(1)
+            self.drop(1)
         else:
             self._pending[key] = now
 
@@ -73,21 +73,37 @@ class Recencies:
         except RuntimeError:  # (shut down: the store is closing, and settles them)
             self._pending.update(batch)
 
-    def settle(self, conn: sqlite3.Connection | None) -> None:
-        """(the store's thread) Wait for the batch in flight; write the rest on conn."""
+    def settled(self) -> dict[str, float]:
+        """(the store's thread) Wait for the batch in flight; the rest, which the caller
+        writes (`write`, in a transaction of its own) or drops (`drop`)."""
         if self._writing is not None:
             self._writing.result()  # (it never raises: a failed write is dropped)
             self._writing = None
         batch, self._pending = self._pending, {}
-        if batch and conn is not None:
-            try:
-                _update(conn, batch)
-            except (sqlite3.Error, OSError):
-                self._drop(len(batch))
+        return batch
 
-    def clear(self) -> None:
-        """(the store's thread) Forget what was recorded (the database was moved aside)."""
-        self._pending = {}
+    def settle(self, conn: sqlite3.Connection | None) -> None:
+        """(the store's thread) Wait for the batch in flight; write the rest on conn."""
+        batch = self.settled()
+        if not batch:
+            return
+        try:
+            if conn is None:
+                raise sqlite3.OperationalError("no connection")
+            with transaction(conn):
+                write(conn, batch)
+        except (sqlite3.Error, OSError):
+            self.drop(len(batch))
+
+    def forget(self) -> None:
+        """(the store's thread) Before the database is moved aside: no write of them may be
+        under way then (it could meet the old file and the new one's WAL); the rest dropped."""
+        self.drop(len(self.settled()))
+
+    def drop(self, count: int) -> None:
+        """Count recencies that will not be written."""
+        with self._dropped_lock:
+            self._dropped += count
 
     async def aclose(self) -> None:
         """Stop the recency thread once the batch in flight is written."""
@@ -101,18 +117,15 @@ class Recencies:
         try:
             with contextlib.closing(sqlite3.connect(self._uri, uri=True, timeout=BUSY_TIMEOUT_S,
                                                     isolation_level=None)) as conn:
-                _update(conn, batch)
+                with transaction(conn):
+                    write(conn, batch)
                 with contextlib.suppress(sqlite3.Error):  # (left to the next one)
                     conn.execute("PRAGMA wal_checkpoint(PASSIVE)")  # never waits
         except (sqlite3.Error, OSError):
-            self._drop(len(batch))
-
-    def _drop(self, count: int) -> None:
-        with self._dropped_lock:
-            self._dropped += count
+            self.drop(len(batch))
 
 
-def _update(conn: sqlite3.Connection, batch: dict[str, float]) -> None:
-    with transaction(conn):
-        conn.executemany("UPDATE entries SET accessed_at = ? WHERE key = ? AND accessed_at < ?",
-                         [(t, k, t) for k, t in batch.items()])
+def write(conn: sqlite3.Connection, batch: dict[str, float]) -> None:
+    """Write recencies, in the caller's transaction."""
+    conn.executemany("UPDATE entries SET accessed_at = ? WHERE key = ? AND accessed_at < ?",
+                     [(t, k, t) for k, t in batch.items()])

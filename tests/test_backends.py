@@ -44,7 +44,15 @@ from backends import (
     listing,
     open_backend,
 )
-from backends.base import PURGE_BATCH, NamespaceStats, Peek, Scan, ScanPages, StoreReadOnly
+from backends.base import (
+    PURGE_BATCH,
+    NamespaceStats,
+    Peek,
+    Scan,
+    ScanPages,
+    StoreReadOnly,
+    entry_size,
+)
 from backends.disk import DB_FILENAME
 from backends.disk_purger import Purger
 from backends.disk_recency import WRITE_EVERY
@@ -824,6 +832,62 @@ class TestDiskBackend:
             (read,) = other.execute("SELECT COUNT(*) FROM entries WHERE accessed_at = ?"
                                     " AND key != 'ns/new'", (read_at,)).fetchone()
             assert read == 300
+        finally:
+            other.close()
+            await store.aclose()
+
+    async def test_eviction_sees_the_recencies_in_flight(
+        self, tmp_path: Path, clock: FakeClock
+    ) -> None:
+        """A read's recency may be on its way (written off the store's thread) when a write
+        evicts: the write waits for it, so the entry just read is not the one evicted."""
+        size = entry_size("ns/0", b"v" * 100)
+        store = DiskBackend(tmp_path, max_bytes=3 * size, clock=clock)
+        try:
+            for i in range(3):
+                await store.set(f"ns/{i}", b"v" * 100)
+                clock.advance(1)
+            write = store._recencies._write
+
+            def slow(batch: dict[str, float]) -> None:
+                time.sleep(0.3)
+                write(batch)
+
+            store._recencies._write = slow  # type: ignore[method-assign]
+            clock.advance(WRITE_EVERY)
+            assert await store.get("ns/0") is not None  # the oldest, read: handed off
+            await store.set("ns/3", b"v" * 100)  # evicts the least recent: ns/1
+            assert await store.get("ns/0") is not None
+            assert await store.get("ns/1") is None
+        finally:
+            await store.aclose()
+
+    async def test_a_write_evicts_by_the_total_after_another_process_purged(
+        self, tmp_path: Path, clock: FakeClock
+    ) -> None:
+        """(review) A write may wait (for the recencies in flight, for the lock) while a
+        purge in another process commits: it evicts by the byte total as it is then, not as
+        it was when the write began, so no live entry goes for room already freed."""
+        size = entry_size("ns/0", b"v" * 100)
+        store = DiskBackend(tmp_path, max_bytes=10 * size, clock=clock)
+        other = sqlite3.connect(tmp_path / DB_FILENAME, isolation_level=None,
+                                check_same_thread=False)  # (used on the recency thread)
+        try:
+            for i in range(10):  # full
+                await store.set(f"ns/{i}", b"v" * 100)
+                clock.advance(1)
+            write = store._recencies._write
+
+            def purged_meanwhile(batch: dict[str, float]) -> None:
+                other.execute("DELETE FROM entries WHERE key >= 'ns/5'")  # ns/5..ns/9
+                write(batch)
+
+            store._recencies._write = purged_meanwhile  # type: ignore[method-assign]
+            clock.advance(WRITE_EVERY)
+            assert await store.get("ns/0") is not None  # handed off: the purge commits then
+            await store.set("ns/a", b"v" * 100)  # room for it: nothing is evicted
+            assert [await store.get(f"ns/{i}") is not None for i in range(5)] == [True] * 5
+            assert await store.stats() == StoreStatsResult(6, 6 * size, 10 * size)
         finally:
             other.close()
             await store.aclose()

@@ -121,6 +121,8 @@ def test_a_model_path_with_an_equals_sign_is_a_path_not_an_id() -> None:
     assert served("org/name=~/m") == (("org/name", "~/m"),)
     with pytest.raises(ValueError, match="'x='"):
         served("x=,y=/m")
+    with pytest.raises(ValueError, match="'='"):
+        served("=")
 
 
 def test_demo_model_copy_is_the_bundled_model(tmp_path: Path) -> None:

@@ -151,7 +151,7 @@ def _named(value: str, setting: str, model_id: str) -> tuple[tuple[str, str], ..
     named by --model-id; any other bare PATH by the demo's name for the bundled model, else
     by the PATH itself."""
     specs = [_split(part.strip()) for part in value.split(",") if part.strip()]
-    if len(specs) == 1 and not specs[0][0]:
+    if len(specs) == 1 and not specs[0][0] and specs[0][1]:
         path = specs[0][1]
         return ((model_id or _default_name(path), path),)
     named = []
