@@ -113,8 +113,7 @@ cold = logprobs(0, step)
 aligned = 3 * step
 print(json.dumps({"tokens": len(ids),
                   "aligned": logprobs(aligned, step) == cold,
-                  "unaligned": logprobs(aligned + 5, step) == cold,
-                  "one_piece": logprobs(aligned, aligned) == cold}))
+                  "unaligned": logprobs(aligned + 5, step) == cold}))
 """
 
 
@@ -144,8 +143,10 @@ def test_reuse_is_bit_identical_to_cold_prefill_on_a_batch_variant_runtime(
     report = json.loads(out.stdout)
     assert out.returncode == 0 and report["checked"] == 6 and report["exact_match_rate"] == 1.0
 
-    # The control: on this runtime a state cut between two multiples, or computed in one
-    # piece, is not the state a cold prefill passes through (so the test above can fail).
+    # The control: on this runtime a state cut between two multiples is not the state a cold
+    # prefill passes through (so the test above can fail). (A state computed in one piece, as
+    # mlx_lm.server's cache does, differed too on AMD EPYC machines; on an Intel Xeon one,
+    # OpenBLAS's kernels gave that shape the same bits: not asserted, it depends on the CPU.)
     out = subprocess.run([sys.executable, "-c", CONTROL, str(variant_model),
                           json.dumps(messages[:-1]), str(STEP)], env=env, check=True,
                          capture_output=True, text=True)
@@ -153,7 +154,6 @@ def test_reuse_is_bit_identical_to_cold_prefill_on_a_batch_variant_runtime(
     assert control["tokens"] > 4 * STEP
     assert control["aligned"] is True
     assert control["unaligned"] is False
-    assert control["one_piece"] is False
 
 
 # In-process, with the demo model and a small step (its prompts are shorter than the
