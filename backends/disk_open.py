@@ -14,13 +14,15 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
 from backends.base import BackendError, StoreFull, StoreReadOnly, StoreRefused
+
+# Stdlib only there, so that the purge's child process runs them without this package:
+from backends.disk_purger import transaction as transaction
+from backends.disk_purger import tune
 
 DB_FILENAME = "cache.sqlite3"
 BUSY_TIMEOUT_S = 5.0
@@ -95,10 +97,7 @@ def open_writable(directory: Path) -> sqlite3.Connection:
         (mode,) = conn.execute("PRAGMA journal_mode=WAL").fetchone()
         if mode != "wal":
             raise sqlite3.OperationalError(f"cannot enable WAL (journal_mode={mode})")
-        # NORMAL in WAL: a power cut may lose the last commits but never corrupts.
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute("PRAGMA journal_size_limit=67108864")
-        conn.execute(f"PRAGMA cache_size=-{PAGE_CACHE_KIB}")
+        tune(conn, PAGE_CACHE_KIB)
         for statement in _SCHEMA:
             conn.execute(statement)
         with transaction(conn):  # (with the triggers, so no row is counted twice or not)
@@ -182,18 +181,3 @@ def quarantine(directory: Path) -> Path:
         if source.exists():
             source.rename(aside.with_name(aside.name + suffix))
     return aside
-
-
-@contextmanager
-def transaction(conn: sqlite3.Connection) -> Iterator[None]:
-    """BEGIN IMMEDIATE ... COMMIT, rolled back on any failure (including the commit)."""
-    # IMMEDIATE takes the write lock up front, so a read-then-write cannot hit SQLITE_BUSY midway.
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-        conn.execute("COMMIT")
-    except BaseException:
-        # Some errors (disk full, I/O) already rolled back; a second ROLLBACK would mask them.
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise

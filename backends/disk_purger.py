@@ -10,7 +10,9 @@ out (`removed N`, or `error CODE MESSAGE` for SQLite's error and extended code).
 stdin ends it. The serving connection sees the commits (PRAGMA data_version) as it sees
 those of any other process.
 
-Also the key-range helpers the store's queries share with it.
+Being stdlib only, it also holds what every connection of the store shares with the child:
+the key range of a prefix, the write transaction, the tuning of a writable connection
+(backends/disk_open.py and disk.py take them from here).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import contextlib
 import sqlite3
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
@@ -30,21 +33,38 @@ def bounds(prefix: str) -> tuple[str, str]:
     return prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
+@contextlib.contextmanager
+def transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """BEGIN IMMEDIATE ... COMMIT, rolled back on any failure (including the commit)."""
+    # IMMEDIATE takes the write lock up front, so a read-then-write cannot hit SQLITE_BUSY midway.
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        # Some errors (disk full, I/O) already rolled back; a second ROLLBACK would mask them.
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
+def tune(conn: sqlite3.Connection, cache_kib: int) -> None:
+    """The settings of a writable connection (they are the connection's, not the file's)."""
+    # NORMAL in WAL: a power cut may lose the last commits but never corrupts.
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA journal_size_limit=67108864")
+    conn.execute(f"PRAGMA cache_size=-{cache_kib}")
+
+
 def purge_batch(conn: sqlite3.Connection, namespace: str, batch: int) -> int:
     """Delete up to `batch` keys of namespace in one transaction; how many."""
     # A key range instead of LIKE: it uses the primary key and needs no escaping.
     low, high = bounds(namespace + "/")
-    conn.execute("BEGIN IMMEDIATE")  # (the write lock up front: no SQLITE_BUSY midway)
-    try:
+    with transaction(conn):
         rows = conn.execute(
             "SELECT key FROM entries WHERE key >= ? AND key < ? LIMIT ?", (low, high, batch),
         ).fetchall()
         conn.executemany("DELETE FROM entries WHERE key = ?", rows)
-        conn.execute("COMMIT")
-    except BaseException:
-        if conn.in_transaction:  # (a full disk or an I/O error may have rolled it back)
-            conn.execute("ROLLBACK")
-        raise
     return len(rows)
 
 
@@ -140,9 +160,7 @@ def _open(database: str, busy_timeout_s: float, cache_kib: int) -> sqlite3.Conne
     conn = sqlite3.connect(f"file:{quote(database)}?mode=rw", uri=True,
                            timeout=busy_timeout_s, isolation_level=None)
     try:
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute("PRAGMA journal_size_limit=67108864")
-        conn.execute(f"PRAGMA cache_size=-{cache_kib}")
+        tune(conn, cache_kib)
     except BaseException:
         conn.close()
         raise

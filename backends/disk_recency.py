@@ -87,9 +87,10 @@ class Recencies:
         batch = self.settled()
         if not batch:
             return
+        if conn is None:
+            self.drop(len(batch))
+            return
         try:
-            if conn is None:
-                raise sqlite3.OperationalError("no connection")
             with transaction(conn):
                 write(conn, batch)
         except (sqlite3.Error, OSError):
