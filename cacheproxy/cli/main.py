@@ -162,15 +162,29 @@ def main(argv: list[str] | None = None) -> int:
 
             return serve(build_settings(flags, os.environ))
         if args.command == "demo-model":
-            return demo_model(args.out, args.quantize, args.retrain, args.steps,
+            code = demo_model(args.out, args.quantize, args.retrain, args.steps,
                               args.documents)
-        if args.command == "fingerprint":
-            return fingerprint(args.model, args.prefill_step)
-        return asyncio.run(_store_command(args))
+        elif args.command == "fingerprint":
+            code = fingerprint(args.model, args.prefill_step)
+        else:
+            code = asyncio.run(_store_command(args))
     except (ValueError, FileNotFoundError, FileExistsError, UpstreamUnavailable,
             BackendError) as exc:  # a store that fails: its message, not a traceback
         print(f"cacheproxy: error: {exc}", file=sys.stderr)
-        return 2
+        code = 2
+    return _leave(code)
+
+
+def _leave(code: int) -> int:
+    """A command that loaded MLX leaves without the interpreter's teardown, its output
+    flushed, as `serve` does: destroying MLX's C++ state now and then aborts the process
+    ("terminate called without an active exception", SIGABRT) after the work is done — seen
+    after `serve` under load and after `verify` in CI, whose report was printed in full."""
+    if "mlx.core" not in sys.modules:
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def _store_command(args: argparse.Namespace) -> int:
