@@ -2,4 +2,4 @@
 
 from cacheproxy.cli.main import main
 
-raise SystemExit(main())
+main()

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from backends.base import BackendError
 from cacheproxy import __version__
@@ -152,8 +152,20 @@ def _add_store_commands(sub: Any) -> None:
     vf.add_argument("--prefix-cache-bytes", type=int, help="exact prefix reuse (0: off)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the console script and of `python -m cacheproxy`."""
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the console script and of `python -m cacheproxy`: run the command,
+    then leave the process with its exit status (the only place the CLI exits)."""
+    try:
+        code = run(argv)
+    except SystemExit as exc:  # argparse: --help, --version, a usage error
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    _leave(code)
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Run one command in this process and return its exit status (tests call this).
+
+    A usage error raises SystemExit(2) from argparse, as it does for any argparse program."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "serve":
@@ -172,16 +184,16 @@ def main(argv: list[str] | None = None) -> int:
             BackendError) as exc:  # a store that fails: its message, not a traceback
         print(f"cacheproxy: error: {exc}", file=sys.stderr)
         code = 2
-    return _leave(code)
+    return code
 
 
-def _leave(code: int) -> int:
-    """A command that loaded MLX leaves without the interpreter's teardown, its output
-    flushed, as `serve` does: destroying MLX's C++ state now and then aborts the process
-    ("terminate called without an active exception", SIGABRT) after the work is done — seen
-    after `serve` under load and after `verify` in CI, whose report was printed in full."""
+def _leave(code: int) -> NoReturn:
+    """Leave the process. One that loaded MLX leaves without the interpreter's teardown, its
+    output flushed: destroying MLX's C++ state now and then aborts the process ("terminate
+    called without an active exception", SIGABRT) after the work is done — seen after
+    `serve` under load and after `verify` in CI, whose report was printed in full."""
     if "mlx.core" not in sys.modules:
-        return code
+        sys.exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

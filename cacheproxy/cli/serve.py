@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
 import resource
 import signal
 import socket
@@ -140,15 +139,12 @@ def serve(settings: Settings) -> int:
     files = resource.getrlimit(resource.RLIMIT_NOFILE)  # before mlx-lm is imported
     batched = logs.configure(fmt=settings.log_format, level=settings.log_level)
     uvloop.run(_serve(settings, batched, files))
-    # Everything is closed (stores, lanes) and the logs are flushed. Skip the interpreter's
-    # teardown: it destroys MLX's C++ state, and under load that exit sometimes aborted with
-    # "terminate called without an active exception" (1 exit in ~6 on this 2-core machine,
-    # also before any of this session's changes), which made a clean SIGTERM a failure.
+    # Everything is closed (stores, lanes). The process leaves without the interpreter's
+    # teardown (cli/main.py::_leave), so the atexit hook of the batched log lines never runs:
+    # flush them here.
     if batched is not None:
-        batched.flush()  # (its atexit hook does not run on this way out)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        batched.flush()
+    return 0
 
 
 def listening_socket(host: str, port: int, *, send_buffer: int = 0) -> socket.socket:
