@@ -1,6 +1,6 @@
 """A rolling upgrade on one Redis: two `cacheproxy serve` replicas of different engine versions.
 
-An experiment, not a test (tests/test_invalidation.py has the in-process version). Two real
+An experiment, not a test (tests/e2e/test_invalidation.py has the in-process version). Two real
 `cacheproxy serve` processes share a private redis-server; the "old" one runs with its
 mlx-lm version reported as 0.0.1 (the version source injected at start, as the tests inject
 it; its weights and code are the same, so only its fingerprint differs), the "new" one with

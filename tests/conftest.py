@@ -27,7 +27,7 @@ from cacheproxy.edge.state import PROXY
 from cacheproxy.runners.demo.model import BUNDLED_MODEL
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
 
-pytest_plugins = ["tests.conftest_redis"]
+pytest_plugins = ["tests.harness.redis_fixtures"]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

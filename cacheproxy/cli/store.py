@@ -21,8 +21,9 @@ def _when(ts: float | None) -> str:
     return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-async def stats(url: str, *, as_json: bool, out: TextIO = sys.stdout) -> int:
+async def stats(url: str, *, as_json: bool, out: TextIO | None = None) -> int:
     """Entries and bytes per namespace, marking the current and the superseded ones."""
+    out = out or sys.stdout  # (looked up per call: a default would be the import's)
     store = await open_store(url, replay=True)  # read only
     try:
         reports = await Registry(store).report()
@@ -58,8 +59,9 @@ async def stats(url: str, *, as_json: bool, out: TextIO = sys.stdout) -> int:
     return 0
 
 
-async def inspect(url: str, key: str, *, as_json: bool, out: TextIO = sys.stdout) -> int:
+async def inspect(url: str, key: str, *, as_json: bool, out: TextIO | None = None) -> int:
     """One record with its provenance."""
+    out = out or sys.stdout  # (looked up per call: a default would be the import's)
     store = await open_store(url, replay=True)  # read only
     try:
         data = await store.get(key)

@@ -84,8 +84,9 @@ def _as_current(number: int, key: str, record: codec.Record, current: Fingerprin
 
 
 async def import_(path: Path, url: str, *, current: Fingerprint, as_current: bool,
-                  err: TextIO = sys.stderr) -> int:
+                  err: TextIO | None = None) -> int:
     """Load a file into a store; every line is checked before anything is written."""
+    err = err or sys.stderr  # (looked up per call: a default would be the import's)
     entries = read_lines(path)
     checked = []
     for number, (key, record) in enumerate(entries, 1):

@@ -132,8 +132,9 @@ async def _check(runner: Runner, store: Backend, key: str, report: Report) -> No
         report.mismatches.append(mismatch)
 
 
-def print_report(report: Report, *, as_json: bool, out: TextIO = sys.stdout) -> None:
+def print_report(report: Report, *, as_json: bool, out: TextIO | None = None) -> None:
     """A one-screen summary, or the whole report as JSON."""
+    out = out or sys.stdout  # (looked up per call: a default would be the import's)
     if as_json:
         data = {**asdict(report), "exact_match_rate": report.exact_match_rate}
         print(json.dumps(data, indent=2, ensure_ascii=False), file=out)

@@ -1,0 +1,86 @@
+"""The commands that need no server, run in-process through `cli.main.run` (the process
+exit is main()'s alone): demo-model, fingerprint, and their errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cacheproxy.cli.main import run
+from cacheproxy.keys import fingerprint as fp
+from cacheproxy.runners.demo.model import BUNDLED_MODEL
+from cacheproxy.runners.mlx import local_fingerprint
+
+
+def test_demo_model_copy_is_the_bundled_model(tmp_path: Path) -> None:
+    out = tmp_path / "copy"
+    assert run(["demo-model", "--out", str(out)]) == 0
+    assert fp.compute("m", out).weights_digest == fp.compute("m", BUNDLED_MODEL).weights_digest
+
+
+def test_demo_model_quantized_loads_and_generates(tmp_path: Path) -> None:
+    out = tmp_path / "q4"
+    assert run(["demo-model", "--out", str(out), "--quantize", "4"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4
+    q = fp.compute("m", out)
+    assert q.quantization["bits"] == 4
+    assert q.weights_digest != fp.compute("m", BUNDLED_MODEL).weights_digest
+    from mlx_lm import generate, load
+
+    model, tokenizer = load(str(out))[:2]
+    text = generate(model, tokenizer, "The fox", max_tokens=8)
+    assert isinstance(text, str) and text.strip()
+
+
+def test_retrain_is_reproducible(tmp_path: Path) -> None:
+    """Two retrainings from the recipe give the same weights (one step on a tiny corpus
+    proves it as well as three on a larger one: the set-up is what a seed could miss)."""
+    digests = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        assert run(["demo-model", "--out", str(out), "--retrain", "--steps", "1",
+                    "--documents", "40"]) == 0
+        digests.append(fp.compute("m", out).weights_digest)
+    assert digests[0] == digests[1]
+    assert digests[0] != fp.compute("m", BUNDLED_MODEL).weights_digest  # 1 step != shipped
+
+
+def test_retrain_options_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["demo-model", "--out", str(tmp_path / "x"), "--retrain", "--quantize", "4"]) == 2
+    assert "separate steps" in capsys.readouterr().err
+    assert run(["demo-model", "--out", str(tmp_path / "x"), "--steps", "3"]) == 2
+    assert "need --retrain" in capsys.readouterr().err
+
+
+def test_bundled_demo_model_speaks_in_sentences() -> None:
+    from mlx_lm import generate, load
+
+    model, tokenizer = load(str(BUNDLED_MODEL))[:2]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tell me about the fox."}], add_generation_prompt=True)
+    text = generate(model, tokenizer, prompt, max_tokens=60)
+    words = text.split()
+    assert len(words) >= 4 and text.strip().endswith("."), text
+    assert text.strip()[0].isupper(), text
+
+
+def test_fingerprint_command_prints_tuple_and_digest(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["fingerprint"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    # What the in-process runner serves the demo model under (the grammar engine included).
+    assert data["digest"] == local_fingerprint("cacheproxy-demo", BUNDLED_MODEL).digest
+    fields = data["fields"]
+    for name in ("engine_version", "mlx_version", "weights_digest", "tokenizer_digest",
+                 "chat_template_digest", "config_digest", "quantization", "grammar_engine"):
+        assert fields[name] not in ("", None, "absent"), name
+
+
+def test_bad_cli_values_exit_2_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["serve", "--store", "ftp://x"]) == 2
+    assert "ftp://x" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:  # argparse's own exit, as for any argparse CLI
+        run(["serve", "--port", "eighty"])
+    assert usage.value.code == 2 and "invalid int value" in capsys.readouterr().err

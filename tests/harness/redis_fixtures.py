@@ -1,0 +1,116 @@
+"""Redis fixtures: private servers on free ports, started once per session, flushed per test.
+
+With no server binary on the machine, every test that asks for one fails with a message
+saying how to get one (tests.harness.redis_servers.HOW_TO_GET_ONE); they are never skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.harness.redis_servers import (
+    NoServerBinary,
+    RedisClusterNodes,
+    RedisServer,
+    TlsServer,
+    server_binary,
+    start_cluster,
+    start_server,
+    start_tls_server,
+)
+
+StartServer = Callable[..., RedisServer]
+
+
+@pytest.fixture(scope="session")
+def redis_binary() -> str:
+    """Path of the redis-server (or valkey-server) binary the tests run."""
+    try:
+        return server_binary()
+    except NoServerBinary as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def redis_server(
+    redis_binary: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RedisServer]:
+    """One standalone server for the session, also listening on a Unix socket."""
+    directory = tmp_path_factory.mktemp("redis")
+    server = start_server(
+        redis_binary, directory, "--unixsocket", str(directory / "redis.sock"),
+        "--unixsocketperm", "700",
+    )  # fmt: skip
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_tls_server(
+    redis_binary: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TlsServer]:
+    """One standalone server for the session that also speaks TLS (rediss://)."""
+    try:
+        tls = start_tls_server(redis_binary, tmp_path_factory.mktemp("redis-tls"))
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        yield tls
+    finally:
+        tls.server.stop()
+
+
+@pytest.fixture
+def redis_tls_url(redis_tls_server: TlsServer) -> str:
+    """The TLS session server's rediss:// URL (database 1), emptied for this test."""
+    redis_tls_server.server.flushall()
+    return redis_tls_server.url(1)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(
+    redis_binary: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RedisClusterNodes]:
+    """A Redis Cluster of three primaries for the session."""
+    cluster = start_cluster(redis_binary, tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        yield cluster
+    finally:
+        for server in cluster.servers:
+            server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The session server's URL (database 1), emptied for this test."""
+    redis_server.flushall()
+    return redis_server.url + "/1"
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster: RedisClusterNodes) -> str:
+    """The session cluster's URL, every primary emptied for this test."""
+    redis_cluster.flushall()
+    return redis_cluster.url
+
+
+@pytest.fixture
+def start_redis(redis_binary: str, tmp_path: Path) -> Iterator[StartServer]:
+    """Start private servers for one test (extra args go to redis-server); all stopped after."""
+    started: list[RedisServer] = []
+
+    def start(*extra_args: str) -> RedisServer:
+        server = start_server(redis_binary, tmp_path, *extra_args)
+        started.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.stop()

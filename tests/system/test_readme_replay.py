@@ -1,0 +1,37 @@
+"""The README's pytest set-up for recorded answers runs as written: it records, replays,
+and fails loudly on what was not recorded (pytest in a process of its own)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_the_readme_pytest_example_records_then_replays(tmp_path: Path) -> None:
+    text = README.read_text()
+    example = text.split("<!-- replay-example -->")[1].split("<!-- /replay-example -->")[0]
+    code = example.split("```python\n")[1].split("```")[0]
+    conftest, tests = code.split("# test_answers.py\n")
+    (tmp_path / "conftest.py").write_text(conftest)
+    (tmp_path / "test_answers.py").write_text(tests)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+    def pytest_run(**extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300, env={**env, **extra})
+
+    recorded = pytest_run(RECORD="1")
+    assert recorded.returncode == 0, recorded.stdout + recorded.stderr
+    assert (tmp_path / "llm.jsonl").read_text().count("\n") == 1
+    replayed = pytest_run()
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    (tmp_path / "test_answers.py").write_text(tests.replace("the fox eat", "the owl eat"))
+    missing = pytest_run()
+    assert missing.returncode != 0 and "not_recorded" in missing.stdout, missing.stdout
+
+
