@@ -3,6 +3,11 @@
     python loadtests/bench_structured.py            # demo model + a random-weight Llama
     python loadtests/bench_structured.py --smoke    # tiny sizes, seconds
 
+It also runs the schema run: --schema-run prompts (100; --smoke 4) through an in-process
+proxy on the demo model, each answer under a hard JSON schema (an enum, a nested object, an
+array with minItems, no extra properties) validated with jsonschema. The suite runs the same
+scenario (`schema_run`) on a handful of prompts (tests/e2e/test_structured.py).
+
 In one process, through the in-process runner itself (`MlxRunner`: the lane, the chat
 template, the logits processors a request gets), rounds alternate plain and constrained
 generations of the same prompt on each model:
@@ -30,6 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import openai  # noqa: E402
+
 from cacheproxy.keys import grammar  # noqa: E402
 from cacheproxy.keys.canonical import parse  # noqa: E402
 from cacheproxy.keys.tools import schema  # noqa: E402
@@ -44,6 +51,74 @@ SCHEMA: dict[str, Any] = {
     "properties": {f"field_{i}": {"type": KINDS[i % 3]} for i in range(20)},
     "required": [f"field_{i}" for i in range(20)]}
 OUT = Path(__file__).parent / "results"
+ANIMALS = ("fox", "cat", "dog", "owl", "bear", "duck", "horse", "rabbit", "frog", "mouse",
+           "bird", "wolf")
+ASKS = ("What does", "Where does", "What color is", "Tell me about", "Describe", "Who is",
+        "What eats", "Is there", "What do you know about")
+# An enum, a nested object, an array with minItems, no extra properties; strings bounded so a
+# 1 M-parameter model cannot wander past max_tokens inside one.
+HARD: dict[str, Any] = {
+    "type": "object", "additionalProperties": False,
+    "required": ["animal", "food", "where", "colors"],
+    "properties": {
+        "animal": {"type": "string", "maxLength": 12},
+        "food": {"type": "string", "enum": ["berries", "fish", "bones", "mice", "honey"]},
+        "where": {"type": "object", "additionalProperties": False, "required": ["home"],
+                  "properties": {"home": {"type": "string", "maxLength": 16}}},
+        "colors": {"type": "array", "minItems": 2, "maxItems": 3,
+                   "items": {"type": "string", "maxLength": 8}}}}
+
+
+def schema_questions(n: int) -> list[str]:
+    """n distinct questions about the demo model's animals: the first twelve ask about each
+    animal, with every kind of question among them."""
+    questions = [f"{ASKS[(i + k) % len(ASKS)]} the {animal}?"
+                 for k in range(len(ASKS)) for i, animal in enumerate(ANIMALS)]
+    if n > len(questions):
+        raise ValueError(f"at most {len(questions)} distinct questions")
+    return questions[:n]
+
+
+async def schema_run(client: openai.AsyncOpenAI, model: str, questions: list[str]) -> int:
+    """Ask each question under the HARD schema (thinking off); every answer must stop by
+    itself and validate. Returns how many did (raises at the first that does not)."""
+    import jsonschema
+
+    valid = 0
+    for question in questions:
+        reply = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": question}], max_tokens=200,
+            response_format={"type": "json_schema", "json_schema": {"name": "Hard",
+                                                                    "schema": HARD}},
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert reply.choices[0].finish_reason == "stop", reply
+        jsonschema.validate(json.loads(reply.choices[0].message.content or ""), HARD)
+        valid += 1
+    return valid
+
+
+async def timed_schema_run(n: int) -> dict[str, Any]:
+    """The schema run of n prompts through an in-process proxy on the demo model."""
+    from aiohttp.test_utils import TestServer
+
+    from backends import open_backend
+    from cacheproxy.cli.serve import build_app
+    from cacheproxy.cli.settings import Settings
+
+    settings = Settings(store="memory://", model=str(BUNDLED_MODEL), watch=False)
+    server = TestServer(build_app(settings, store=open_backend(settings.store)),
+                        host="127.0.0.1", port=0)
+    await server.start_server()
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1",
+                                api_key="unused", max_retries=0)
+    try:
+        started = time.perf_counter()
+        valid = await schema_run(client, "cacheproxy-demo", schema_questions(n))
+        seconds = time.perf_counter() - started
+    finally:
+        await client.close()
+        await server.close()
+    return {"prompts": n, "valid": valid, "seconds": round(seconds, 2)}
 
 
 def big_model(work: Path, *, hidden: int, layers: int) -> Path:
@@ -108,16 +183,21 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--smoke", action="store_true", help="2 rounds, 8 tokens, hidden 128")
+    parser.add_argument("--schema-run", type=int, default=100,
+                        help="prompts of the schema run (0: none)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="2 rounds, 8 tokens, hidden 128, a schema run of 4")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", type=Path, default=OUT, help="where the JSON is written")
     args = parser.parse_args()
     if args.smoke:
         args.rounds, args.max_tokens, args.hidden, args.layers = 2, 8, 128, 2
+        args.schema_run = min(args.schema_run, 4)
     with tempfile.TemporaryDirectory() as tmp:
         models = [BUNDLED_MODEL, big_model(Path(tmp), hidden=args.hidden, layers=args.layers)]
         rows = [asyncio.run(measure(m, args.rounds, args.max_tokens)) for m in models]
     rows[0]["model"] = "demo"
+    schema = asyncio.run(timed_schema_run(args.schema_run)) if args.schema_run else None
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -128,8 +208,13 @@ def main() -> int:
             print(f"| {r['model']} | {r['plain_ms_per_token']} | "
                   f"{r['constrained_ms_per_token']} | {r['ratio']} | {target} | "
                   f"{r['compile_20_fields_ms']} | {r['reuse_ms']} |")
+    if schema is not None:
+        print(f"\nschema run: {schema['valid']}/{schema['prompts']} answers valid under the "
+              f"hard schema ({schema['seconds']} s)")
     args.out.mkdir(exist_ok=True)
     (args.out / "bench_structured.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if schema is not None:
+        (args.out / "schema_run.json").write_text(json.dumps(schema, indent=2) + "\n")
     return 0
 
 

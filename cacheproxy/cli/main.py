@@ -104,6 +104,7 @@ def _add_model_commands(sub: Any) -> None:
     demo.add_argument("--steps", type=int, help="training steps with --retrain")
     demo.add_argument("--documents", type=int,
                       help="conversations in the training corpus with --retrain")
+    demo.add_argument("--batch", type=int, help="sequences per training step with --retrain")
     fpr = sub.add_parser("fingerprint", help="print the pinned configuration tuple as JSON")
     fpr.add_argument("--model", help="model directory (default: the demo model)")
     fpr.add_argument("--prefill-step", type=int, help="the runner's prefill step (default 512)")
@@ -175,7 +176,7 @@ def run(argv: list[str] | None = None) -> int:
             return serve(build_settings(flags, os.environ))
         if args.command == "demo-model":
             code = demo_model(args.out, args.quantize, args.retrain, args.steps,
-                              args.documents)
+                              args.documents, args.batch)
         elif args.command == "fingerprint":
             code = fingerprint(args.model, args.prefill_step)
         else:
@@ -278,7 +279,7 @@ async def _verify(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def demo_model(out: Path, quantize: int | None, retrain: bool, steps: int | None,
-               documents: int | None) -> int:
+               documents: int | None, batch: int | None = None) -> int:
     """Write the demo model: a copy, a quantized copy, or a retrained one."""
     from dataclasses import replace
 
@@ -292,10 +293,12 @@ def demo_model(out: Path, quantize: int | None, retrain: bool, steps: int | None
             recipe = replace(recipe, steps=steps)
         if documents is not None:
             recipe = replace(recipe, documents=documents)
+        if batch is not None:
+            recipe = replace(recipe, batch=batch)
         dm.train(out, recipe)
     else:
-        if steps is not None or documents is not None:
-            raise ValueError("--steps and --documents need --retrain")
+        if steps is not None or documents is not None or batch is not None:
+            raise ValueError("--steps, --documents and --batch need --retrain")
         dm.write_copy(out, quantize=quantize)
     print(out)
     return 0

@@ -1,24 +1,22 @@
 """Structured outputs end to end: constrained greedy decoding on the real demo model, through
 the openai SDK's `parse`, LangChain's `with_structured_output`, instructor's JSON_SCHEMA mode
-and the Responses API; every answer of a 100-prompt run validated with jsonschema."""
+and the Responses API; every answer of a schema run validated with jsonschema."""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Literal
 
 import instructor
-import jsonschema
 import openai
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
+from loadtests.bench_structured import schema_questions, schema_run
 from tests.conftest import ProxyFactory
 from tests.e2e.test_tool_calling import NO_THINKING
 
 MODEL = "cacheproxy-demo"
-ANIMALS = ("fox", "cat", "dog", "owl", "bear", "duck", "horse", "rabbit", "frog", "mouse",
-           "bird", "wolf")
 
 
 class Animal(BaseModel):
@@ -26,20 +24,6 @@ class Animal(BaseModel):
 
     animal: str
     food: str
-
-
-# An enum, a nested object, an array with minItems, no extra properties; strings bounded so a
-# 1 M-parameter model cannot wander past max_tokens inside one.
-HARD: dict[str, Any] = {
-    "type": "object", "additionalProperties": False,
-    "required": ["animal", "food", "where", "colors"],
-    "properties": {
-        "animal": {"type": "string", "maxLength": 12},
-        "food": {"type": "string", "enum": ["berries", "fish", "bones", "mice", "honey"]},
-        "where": {"type": "object", "additionalProperties": False, "required": ["home"],
-                  "properties": {"home": {"type": "string", "maxLength": 16}}},
-        "colors": {"type": "array", "minItems": 2, "maxItems": 3,
-                   "items": {"type": "string", "maxLength": 8}}}}
 
 
 async def test_sdk_parse_returns_an_object_and_a_hit_is_the_same(make_proxy: ProxyFactory
@@ -70,24 +54,11 @@ async def test_json_object_and_thinking_first(make_proxy: ProxyFactory) -> None:
     assert message.model_extra["reasoning"]  # the thought is free; the answer is the JSON
 
 
-async def test_a_100_prompt_run_always_obeys_the_schema(make_proxy: ProxyFactory) -> None:
+async def test_a_schema_run_always_obeys_the_schema(make_proxy: ProxyFactory) -> None:
+    """Twelve prompts, every kind of question, each answer valid under the hard schema (the
+    same scenario runs on 100 prompts in loadtests/bench_structured.py)."""
     proxy = await make_proxy()
-    questions = [f"{ask} the {animal}?" for animal in ANIMALS
-                 for ask in ("What does", "Where does", "What color is", "Tell me about",
-                             "Describe", "Who is", "What eats", "Is there",
-                             "What do you know about")][:100]
-    assert len(questions) == 100
-    valid = 0
-    for question in questions:
-        reply = await proxy.client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=200,
-            response_format={"type": "json_schema", "json_schema": {"name": "Hard",
-                                                                    "schema": HARD}},
-            extra_body=NO_THINKING)
-        assert reply.choices[0].finish_reason == "stop", reply
-        jsonschema.validate(json.loads(reply.choices[0].message.content), HARD)
-        valid += 1
-    assert valid == 100
+    assert await schema_run(proxy.client, MODEL, schema_questions(12)) == 12
 
 
 async def test_langchain_and_instructor_get_valid_objects(make_proxy: ProxyFactory) -> None:

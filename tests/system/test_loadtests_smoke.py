@@ -1,7 +1,7 @@
 """Every load test's --smoke mode runs to the end and writes its table and plot (so none rots).
 
 Each runs as its own subprocess, as a user would run it; they start their own servers on
-127.0.0.1 and stop them. Needs matplotlib (the test extra) and wrk for hit_path (skipped
+127.0.0.1 and stop them. Needs matplotlib (the test extra) and wrk for hit_path (fails
 without it).
 """
 
@@ -16,24 +16,26 @@ from pathlib import Path
 import pytest
 
 LOADTESTS = Path(__file__).resolve().parents[2] / "loadtests"
+# Each script's wiring (servers, table, plot, JSON) with its cheapest scenario: the full-size
+# runs are the scripts' own; the faults each scenario injects are tested in the suite (see
+# loadtests/README.md, "What the suite covers").
 SMOKES = {
-    "reproducibility": ("reproducibility.png", "| t0 concurrent |"),
-    "hit_path": ("hit_path.png", "| tiered |"),
-    "workload": ("workload.png", "| through cacheproxy |"),
-    "faults": ("faults.png", "| hostile |"),
-    "coherence": ("coherence.png", "| tiered+redis, l1_ttl 3600 s | 5 |"),
+    "reproducibility": (("--prompts", "2", "--repeats", "2", "--max-tokens", "8"),
+                        "reproducibility.png", "| t0 concurrent |"),
+    "hit_path": (("--smoke",), "hit_path.png", "| tiered |"),
+    "workload": (("--smoke",), "workload.png", "| through cacheproxy |"),
+    "faults": (("--smoke", "--only", "hostile"), "faults.png", "| hostile |"),
+    "coherence": (("--smoke",), "coherence.png", "| tiered+redis, l1_ttl 3600 s | 5 |"),
 }
 
 
 @pytest.mark.parametrize("name", list(SMOKES))
 def test_smoke(name: str, tmp_path: Path) -> None:
     if name == "hit_path" and shutil.which("wrk") is None:
-        pytest.skip("wrk is not installed")
-    plot, row = SMOKES[name]
-    # (faults: twelve scenarios, each with servers of its own: ~55 s on an idle machine)
-    done = subprocess.run([sys.executable, str(LOADTESTS / f"{name}.py"), "--smoke", "--out",
-                           str(tmp_path)], capture_output=True, text=True,
-                          timeout=240 if name == "faults" else 120)
+        pytest.fail("wrk is not installed (.ci/run installs it)")
+    flags, plot, row = SMOKES[name]
+    done = subprocess.run([sys.executable, str(LOADTESTS / f"{name}.py"), *flags, "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
     assert row in done.stdout, done.stdout
     assert (tmp_path / plot).stat().st_size > 1000
@@ -61,6 +63,8 @@ def test_bench_structured_smoke(tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "bench_structured.json").read_text())
     assert all(r["constrained_ms_per_token"] > 0 and r["reuse_ms"] < r["compile_20_fields_ms"]
                for r in rows)
+    schema = json.loads((tmp_path / "schema_run.json").read_text())
+    assert schema["valid"] == schema["prompts"] == 4
 
 
 def test_bench_prefix_smoke(tmp_path: Path) -> None:
