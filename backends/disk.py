@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -67,6 +67,8 @@ class DiskBackend:
         clock: Clock = time.time,
     ) -> None:
         self._directory = Path(directory)
+        # Awaited before each step of a purge (a load test pauses a purge in turns with it).
+        self.purge_pause: Callable[[], Awaitable[None]] | None = None
         if not self._directory.is_absolute():
             raise ValueError(f"disk store directory must be absolute, got {str(directory)!r}")
         self._max_bytes = check_max_bytes(max_bytes)
@@ -153,6 +155,8 @@ class DiskBackend:
         total = 0
         try:
             while True:
+                if self.purge_pause is not None:
+                    await self.purge_pause()
                 if self._closed:
                     raise BackendError(f"{self!r} is closed")
                 removed = await self._purge_step(purger)

@@ -51,6 +51,8 @@ class RedisBackend:
                  wait: float = 2 * DEFAULT_SOCKET_TIMEOUT, lane: GetLane | None = None,
                  cluster_tracking: TrackingFactory | None = None) -> None:
         self._client = client
+        # Awaited between two steps of a purge (a load test pauses a purge in turns with it).
+        self.purge_pause: redis_keyspace.PurgePause | None = None
         self._lane = lane  # GETs of a single server over TCP or Unix socket (see resp.py)
         self._cluster_tracking_for = cluster_tracking  # how to track a cluster's primaries
         self._cluster_tracking: ClusterTracking | None = None
@@ -205,11 +207,12 @@ class RedisBackend:
         single server, on a connection of the purge's own); return the count."""
         async with self._guard:
             if self._lane is None:
-                return await redis_keyspace.purge_namespace(self._client, namespace)
+                return await redis_keyspace.purge_namespace(self._client, namespace,
+                                                            self.purge_pause)
             lane = self._lane.sibling()
             self._purge_lanes.add(lane)  # (closed by aclose too: a purge ends with its store)
             try:
-                return await redis_keyspace.purge_on_lane(lane, namespace)
+                return await redis_keyspace.purge_on_lane(lane, namespace, self.purge_pause)
             except LaneError as exc:
                 raise BackendError(f"{self!r}: {exc}") from exc
             finally:

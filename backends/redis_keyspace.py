@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
 from redis.asyncio import Redis
@@ -37,20 +37,25 @@ _PURGE_REST = 0.001  # seconds; uvloop does not sleep for less than a millisecon
 _PURGE_REST_MAX = 0.01
 
 
-async def purge_namespace(client: Client, namespace: str) -> int:
+PurgePause = Callable[[], Awaitable[None]]
+
+
+async def purge_namespace(client: Client, namespace: str, pause: PurgePause | None = None
+                          ) -> int:
     """SCAN "<namespace>/*" on every primary and UNLINK in small steps, resting between
-    them; return the count."""
+    them (and awaiting `pause`, if given, after each rest); return the count."""
     removed = 0
     started = time.monotonic()
     async for batch in _batches(client, _glob_escape(namespace) + "/*",
                                 count=_PURGE_STEP, size=_PURGE_STEP):
         # On a cluster, unlink() splits the batch by slot into one pipeline.
         removed += int(await client.unlink(*batch))
-        started = await _rest(started)
+        started = await _rest(started, pause)
     return removed
 
 
-async def purge_on_lane(lane: GetLane, namespace: str) -> int:
+async def purge_on_lane(lane: GetLane, namespace: str, pause: PurgePause | None = None
+                        ) -> int:
     """purge_namespace on one server, through a lane of the purge's own (resp.py): one
     SCAN and one UNLINK per step, packed and parsed at a fraction of redis-py's CPU, which
     in the serving process is event-loop time every GET waits behind."""
@@ -65,14 +70,17 @@ async def purge_on_lane(lane: GetLane, namespace: str) -> int:
             removed += int(cast(int, await lane.call(b"UNLINK", *keys)))
         if cursor == b"0":
             return removed
-        started = await _rest(started)
+        started = await _rest(started, pause)
 
 
-async def _rest(step_started: float) -> float:
+async def _rest(step_started: float, pause: PurgePause | None) -> float:
     """Sleep after a purge step (at least _PURGE_REST, and as long as the step took, up to
-    _PURGE_REST_MAX: a busy server slows the purge down); the time the next step starts."""
+    _PURGE_REST_MAX: a busy server slows the purge down), then await the pause if any; the
+    time the next step starts."""
     took = time.monotonic() - step_started
     await asyncio.sleep(min(_PURGE_REST_MAX, max(_PURGE_REST, took)))
+    if pause is not None:
+        await pause()
     return time.monotonic()
 
 

@@ -162,7 +162,8 @@ async def measure(path: Path, rounds: int, max_tokens: int) -> dict[str, Any]:
         constrained = {**base, "response_format": {"type": "json_schema", "json_schema": {
             "name": "Twenty", "schema": SCHEMA}}}
         await _tokens_per_second(runner, base)  # warm-up: compile, caches
-        plain, held = [], []
+        plain: list[float] = []
+        held: list[float] = []
         for i in range(rounds):
             pair = [(plain, base), (held, constrained)]
             for into, body in pair if i % 2 == 0 else reversed(pair):

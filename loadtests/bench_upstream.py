@@ -78,7 +78,10 @@ def serve_relay(port: int, target: str) -> None:
         app["session"] = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(force_close=True))
         app.router.add_post(CHAT, relay)
-        app.router.add_get("/health", lambda _: web.json_response({"status": "ok"}))
+        async def health(_: web.Request) -> web.Response:
+            return web.json_response({"status": "ok"})
+
+        app.router.add_get("/health", health)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, HOST, port).start()

@@ -536,33 +536,31 @@ async def foreign_write_get_ms(url: str, store: Any, keys: Sequence[str],
 # it and SIGUSR2 resumes it between two of its steps (Turns): stopped mid-step (SIGSTOP) it
 # could hold the disk store's WAL index lock and stall every reader while it is stopped.
 PURGE_CHILD = """
-import asyncio, signal, sys, threading, time
-from backends import redis_keyspace
-from backends.disk import DiskBackend
-from cacheproxy.cli.store import purge
+import asyncio, signal, sys, threading
+from backends import open_backend
+from cacheproxy.service.namespaces import Registry
 running = threading.Event()
 running.set()
 signal.signal(signal.SIGUSR1, lambda *_: running.clear())
 signal.signal(signal.SIGUSR2, lambda *_: running.set())
-step, rest = DiskBackend._purge_step, redis_keyspace._rest
 async def paused():
     while not running.is_set():
         await asyncio.sleep(0.001)
-async def gated_step(self, purger):
-    await paused()
-    return await step(self, purger)
-async def gated_rest(started):
-    waited = time.monotonic()
-    await paused()
-    return await rest(started + time.monotonic() - waited)
-DiskBackend._purge_step, redis_keyspace._rest = gated_step, gated_rest
+async def purge(url, digest):
+    # What `cacheproxy purge --namespace` does, with the store's public pause hook set.
+    store = open_backend(url)
+    store.purge_pause = paused
+    try:
+        removed = await store.purge_namespace(digest)
+        await Registry(store).forget([digest])
+    finally:
+        await store.aclose()
+    print(f"removed {removed} entries")
 print("ready", flush=True)
 sys.stdin.readline()
-code = asyncio.run(purge(sys.argv[1], superseded=False, namespace=sys.argv[2], key=None,
-                         everything=False, confirm=lambda _: False))
+asyncio.run(purge(sys.argv[1], sys.argv[2]))
 for turn in (signal.SIGUSR1, signal.SIGUSR2):  # (one sent as it ends would kill it)
     signal.signal(turn, signal.SIG_IGN)
-sys.exit(code)
 """
 
 
@@ -571,10 +569,9 @@ class Turns:
     and while it pauses are measured in the same seconds: what else runs on the machine
     (here: other engineers' test suites and benchmarks, load 2-5) weighs on both alike,
     where a "before" measured a minute earlier may have met another load. A purge pauses
-    between two of its steps, through the store's own step function, wrapped (Redis:
-    redis_keyspace._rest, the rest after each step; disk: DiskBackend._purge_step, which
-    asks the purge's own child process for a batch): here, or in the child (PURGE_CHILD,
-    told by SIGUSR1 and SIGUSR2)."""
+    between two of its steps, through the store's public hook (`purge_pause`, awaited
+    between two steps; Redis awaits it after its rest, so the rest is measured without
+    it): here, or in the child (PURGE_CHILD, told by SIGUSR1 and SIGUSR2)."""
 
     def __init__(self, name: str, store: Any, child: Any, turn: float) -> None:
         self.turn = turn
@@ -586,32 +583,11 @@ class Turns:
         self._gate.set()
         self._undo: list[Any] = []
         if child is None and turn > 0:
-            self._wrap(name, store)
+            self._wrap(store)
 
-    def _wrap(self, name: str, store: Any) -> None:
-        if name == "redis":
-            from backends import redis_keyspace
-
-            rest = redis_keyspace._rest
-            gate = self._gate
-
-            async def gated(started: float) -> float:
-                waited = time.monotonic()
-                await gate.wait()  # (a pause is no part of the step the rest is measured by)
-                return await rest(started + time.monotonic() - waited)
-
-            redis_keyspace._rest = gated  # type: ignore[assignment]
-            self._undo.append(lambda: setattr(redis_keyspace, "_rest", rest))
-        else:
-            step = store._purge_step
-            gate = self._gate
-
-            async def gated_step(purger: Any) -> int:
-                await gate.wait()
-                return int(await step(purger))
-
-            store._purge_step = gated_step
-            self._undo.append(lambda: delattr(store, "_purge_step"))
+    def _wrap(self, store: Any) -> None:
+        store.purge_pause = self._gate.wait  # (the stores' public hook between two steps)
+        self._undo.append(lambda: setattr(store, "purge_pause", None))
 
     def tick(self, now: float) -> None:
         """Pause or resume when a turn is over."""

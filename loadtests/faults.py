@@ -59,7 +59,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,7 +135,7 @@ def content(data: bytes) -> str | None:
 
 
 async def closed_loop(url: str, bodies: Callable[[int], dict[str, Any]], conns: int,
-                      seconds: float, events: list[tuple[float, Callable[[], None]]] = ()
+                      seconds: float, events: Sequence[tuple[float, Callable[[], None]]] = ()
                       ) -> tuple[Counter[int], Counter[str]]:
     """conns workers sending back to back for `seconds`; events fire (in a thread) at offsets."""
     statuses: Counter[int] = Counter()
@@ -287,9 +287,11 @@ def runner_killed(work: Path, args: argparse.Namespace) -> Outcome:
                     await asyncio.sleep(0.5)
                     up.kill(signal.SIGKILL)
 
-                *answers, _ = await asyncio.gather(
-                    *(post(s, proxy.url, chat(p, **long)) for p in prompts), killer())
-                return answers
+                kill = asyncio.create_task(killer())
+                answers = await asyncio.gather(*(post(s, proxy.url, chat(p, **long))
+                                                  for p in prompts))
+                await kill
+                return list(answers)
 
         answers = asyncio.run(victims())
         t_restart = time.monotonic()
