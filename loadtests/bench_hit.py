@@ -34,19 +34,28 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-HOST = "127.0.0.1"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# The one process launcher, shared with the tests.
+from tests.harness.processes import (  # noqa: E402
+    HOST,
+    HarnessError,
+    Procs,
+    free_port,
+    http,
+    pinned,
+    wait_ready,
+)
+
 PATH = "/v1/chat/completions"
 BODY: dict[str, Any] = {
     "model": "cacheproxy-demo",
@@ -76,8 +85,7 @@ end
 """
 
 
-class BenchError(RuntimeError):
-    """Something the benchmark cannot go on without."""
+BenchError = HarnessError  # (one error for the process machinery tests and load tests share)
 
 
 @dataclass
@@ -139,54 +147,6 @@ def serve_bare(port: int, body_file: str, stream: bool) -> None:
 # -- processes ---------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def pinned(argv: list[str], core: int | None) -> list[str]:
-    if core is None:
-        return argv
-    taskset = shutil.which("taskset")
-    return [taskset, "-c", str(core), *argv] if taskset else argv
-
-
-class Procs:
-    """Child processes, each in its own session; all stopped on close()."""
-
-    def __init__(self) -> None:
-        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
-
-    def start(self, name: str, argv: list[str], log: Path, core: int | None
-              ) -> subprocess.Popen[bytes]:
-        preexec = None
-        if core is not None and not shutil.which("taskset"):
-            def preexec() -> None:  # no taskset: pin the child ourselves
-                os.sched_setaffinity(0, {core})
-        with log.open("wb") as out:
-            proc = subprocess.Popen(pinned(argv, core), stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=preexec)
-        self.children.append((name, proc))
-        return proc
-
-    def close(self) -> None:
-        for _, proc in self.children:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for _, proc in self.children:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=STOP_TIMEOUT_S)
-        self.children.clear()
-
-
 def cpu_seconds(pid: int) -> float | None:
     """User + system CPU time of a process (all its threads), from /proc; None elsewhere."""
     try:
@@ -194,30 +154,6 @@ def cpu_seconds(pid: int) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def http(method: str, url: str, body: bytes | None = None, timeout: float = 30.0
-         ) -> tuple[int, dict[str, str], bytes]:
-    req = urllib.request.Request(url, data=body, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, dict(resp.headers.items()), resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers.items()), exc.read()
-
-
-def wait_ready(proc: subprocess.Popen[bytes], probe: Any, log: Path, what: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-2000:]
-            raise BenchError(f"{what} exited with {proc.returncode} before it was ready:\n{tail}")
-        with contextlib.suppress(OSError):
-            if probe():
-                return
-        time.sleep(0.1)
-    raise BenchError(f"{what} was not ready within {START_TIMEOUT_S:g} s (log: {log})")
 
 
 # -- load generators ---------------------------------------------------------------------

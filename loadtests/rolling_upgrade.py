@@ -44,7 +44,6 @@ from common import (
     figure,
     free_port,
     health_probe,
-    launch,
     run,
     runtime_line,
     save,
@@ -73,7 +72,7 @@ def replica(procs: Procs, work: Path, name: str, store: str, model: Path,
     argv = [*head, "serve", "--host", HOST, "--port", str(port), "--no-watch", "--store",
             store, "--model", str(model), "--lease-ttl", str(args.lease_ttl),
             "--supersede-grace", str(args.grace), "--log-level", "warning"]
-    return launch(procs, name, argv, url, work / f"{name}.log", health_probe(url))
+    return procs.launch(name, argv, url, work / f"{name}.log", health_probe(url))
 
 
 async def health(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -26,6 +25,7 @@ from cacheproxy.cli.settings import DEMO_MODEL_ID, Settings
 from cacheproxy.edge.state import PROXY
 from cacheproxy.runners.demo.model import BUNDLED_MODEL
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
+from tests.harness.processes import Procs, free_port
 
 pytest_plugins = ["tests.harness.redis_fixtures"]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,11 +40,11 @@ async def eventually(check: Callable[[], bool], within: float = 2.0,
         await asyncio.sleep(every)
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    """A group of child processes (tests/harness/processes.py), all stopped at teardown."""
+    with Procs() as group:
+        yield group
 
 
 def demo_token(text: str) -> int:

@@ -78,6 +78,25 @@ def _is_free(port: int) -> bool:
         return True
 
 
+def server_argv(binary: str, port: int, directory: Path, *extra_args: str) -> list[str]:
+    """A private server on 127.0.0.1:port: no persistence (unless extra_args ask for it),
+    its files in directory (the tests' servers and the load tests' alike)."""
+    return [
+        binary, "--port", str(port), "--bind", "127.0.0.1",
+        "--save", "", "--appendonly", "no", "--dir", str(directory),
+        "--daemonize", "no", *extra_args,
+    ]  # fmt: skip
+
+
+def answers_ping(port: int) -> bool:
+    """Whether the server on 127.0.0.1:port answers PING now."""
+    try:
+        with redis.Redis(port=port, socket_timeout=1.0, socket_connect_timeout=1.0) as client:
+            return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
 @dataclass
 class RedisServer:
     """One redis-server process on 127.0.0.1, in its own temporary directory."""
@@ -98,11 +117,7 @@ class RedisServer:
 
     def start(self) -> None:
         """Start the process and wait until it answers PING."""
-        args = [
-            self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", str(self.directory),
-            "--daemonize", "no", *self.extra_args,
-        ]  # fmt: skip
+        args = server_argv(self.binary, self.port, self.directory, *self.extra_args)
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + _START_TIMEOUT_S

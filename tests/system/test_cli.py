@@ -56,36 +56,22 @@ def test_restart_with_disk_store_first_request_is_a_hit(tmp_path: Path) -> None:
 
 
 def test_one_json_log_line_per_request_without_prompts(tmp_path: Path) -> None:
-    port = free_port()
-    log_file = tmp_path / "serve.log"
-    with log_file.open("wb") as sink:
-        proc = subprocess.Popen([*CLI, "serve", "--port", str(port), "--store", "memory://"],
-                                stdout=sink, stderr=sink)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            for _ in range(300):
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=1):
-                        break
-                except (urllib.error.URLError, ConnectionError):
-                    time.sleep(0.2)
-            secret = "What color is the secret fox?"
-            body = json.dumps({"messages": [{"role": "user", "content": secret}]}).encode()
-            for _ in range(2):
-                req = urllib.request.Request(url + "/v1/chat/completions", data=body,
-                                             headers={"X-Request-Id": "req-42"})
-                urllib.request.urlopen(req, timeout=30).read()
-            with pytest.raises(urllib.error.HTTPError):
-                urllib.request.urlopen(url + "/nope", timeout=5)
-            too_long = json.dumps({"messages": [{"role": "user", "content": "fox " * 900}]})
-            with pytest.raises(urllib.error.HTTPError) as refused:
-                urllib.request.urlopen(urllib.request.Request(
-                    url + "/v1/chat/completions", data=too_long.encode()), timeout=30)
-            assert refused.value.code == 400
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=20)
-    text = log_file.read_text()
+    output: list[str] = []
+    with serving("--store", "memory://", output=output) as url:
+        secret = "What color is the secret fox?"
+        body = json.dumps({"messages": [{"role": "user", "content": secret}]}).encode()
+        for _ in range(2):
+            req = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                         headers={"X-Request-Id": "req-42"})
+            urllib.request.urlopen(req, timeout=30).read()
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(url + "/nope", timeout=5)
+        too_long = json.dumps({"messages": [{"role": "user", "content": "fox " * 900}]})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(
+                url + "/v1/chat/completions", data=too_long.encode()), timeout=30)
+        assert refused.value.code == 400
+    text = output[0]
     assert secret not in text  # prompts never at INFO
     lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     requests = [e for e in lines if e["event"] == "request"]

@@ -7,38 +7,22 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import aiohttp
 
-from tests.conftest import free_port
-
-CLI = [sys.executable, "-m", "cacheproxy"]
+from tests.harness.processes import CLI, Child, Procs, start_serve
 
 
-def _start(store: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    proc = subprocess.Popen([*CLI, "serve", "--port", str(port), "--store", store, "--no-watch"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1):
-                return proc, url
-        except (urllib.error.URLError, ConnectionError):
-            time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("serve did not start")
+def _start(procs: Procs, store: str, log: Path) -> Child:
+    return start_serve(procs, log, "--store", store, "--no-watch")
 
 
-async def test_kill_9_during_writes_keeps_every_acknowledged_entry(tmp_path: Path) -> None:
+async def test_kill_9_during_writes_keeps_every_acknowledged_entry(tmp_path: Path,
+                                                                   procs: Procs) -> None:
     store = f"disk://{tmp_path}/store"
-    proc, url = _start(store)
+    first = _start(procs, store, tmp_path / "first.log")
+    url = first.url
     acknowledged: dict[str, str] = {}
     ten_acknowledged = asyncio.Event()
     prompts = [f"The {animal} number {i}" for i, animal in
@@ -59,24 +43,21 @@ async def test_kill_9_during_writes_keeps_every_acknowledged_entry(tmp_path: Pat
     async with aiohttp.ClientSession() as session:
         burst = [asyncio.create_task(one(session, p)) for p in prompts]
         await ten_acknowledged.wait()
-        os.kill(proc.pid, signal.SIGKILL)  # mid-burst: generations and writes in flight
+        os.kill(first.pid, signal.SIGKILL)  # mid-burst: generations and writes in flight
         await asyncio.gather(*burst)
-    proc.wait(timeout=10)
+    first.proc.wait(timeout=10)
     assert 10 <= len(acknowledged) < len(prompts), "the kill did not land mid-burst"
 
-    proc, url = _start(store)
-    try:
-        async with aiohttp.ClientSession() as session:
-            for prompt, text in acknowledged.items():
-                body = {"prompt": prompt, "max_tokens": 12}
-                async with session.post(url + "/v1/completions", json=body) as resp:
-                    assert resp.headers["X-Cache"] == "HIT", prompt  # acknowledged => stored
-                    assert (await resp.json())["choices"][0]["text"] == text
-            async with session.get(url + "/health") as resp:
-                assert (await resp.json())["counters"]["corrupt_records"] == 0
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=20)
+    second = _start(procs, store, tmp_path / "second.log")
+    async with aiohttp.ClientSession() as session:
+        for prompt, text in acknowledged.items():
+            body = {"prompt": prompt, "max_tokens": 12}
+            async with session.post(second.url + "/v1/completions", json=body) as resp:
+                assert resp.headers["X-Cache"] == "HIT", prompt  # acknowledged => stored
+                assert (await resp.json())["choices"][0]["text"] == text
+        async with session.get(second.url + "/health") as resp:
+            assert (await resp.json())["counters"]["corrupt_records"] == 0
+    assert second.stop() == 0
     verify = await asyncio.to_thread(
         subprocess.run, [*CLI, "verify", "--store", store, "--json"], capture_output=True,
         text=True, timeout=120)

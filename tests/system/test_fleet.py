@@ -6,61 +6,14 @@ import asyncio
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import aiohttp
 import pytest
 
-from tests.conftest import free_port
 from tests.e2e.test_proxy import NO_EOS
+from tests.harness.processes import replicas
 from tests.harness.redis_fixtures import StartServer
-
-CLI = [sys.executable, "-m", "cacheproxy"]
-
-
-@contextmanager
-def replicas(store: str, count: int, *extra: str) -> Iterator[list[tuple[subprocess.Popen[bytes],
-                                                                            str]]]:
-    """`count` proxy processes on one store; all stopped at the end."""
-    procs = []
-    try:
-        for _ in range(count):
-            port = free_port()
-            proc = subprocess.Popen([*CLI, "serve", "--port", str(port), "--store", store,
-                                     "--no-watch", *extra],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            procs.append((proc, f"http://127.0.0.1:{port}"))
-        for proc, url in procs:
-            _wait_healthy(proc, url)
-        yield procs
-    finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc, _ in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def _wait_healthy(proc: subprocess.Popen[bytes], url: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"replica exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1):
-                return
-        except (urllib.error.URLError, ConnectionError):
-            time.sleep(0.1)
-    raise AssertionError("replica did not start")
 
 
 async def _generations(session: aiohttp.ClientSession, url: str) -> int:
@@ -74,7 +27,7 @@ async def test_two_replicas_generate_once_for_32_concurrent_requests(
     redis = start_redis()
     body = {"prompt": "Once upon a time, the bear", "max_tokens": 120, "logit_bias": NO_EOS}
     with replicas(redis.url, 2) as procs:
-        urls = [url for _, url in procs]
+        urls = [replica.url for replica in procs]
         async with aiohttp.ClientSession() as session:
             async def one(i: int) -> tuple[str, str]:
                 async with session.post(urls[i % 2] + "/v1/completions", json=body) as resp:
@@ -95,10 +48,16 @@ async def test_owner_killed_mid_generation_another_replica_takes_over(
     redis = start_redis()
     body = {"prompt": "The wolf", "max_tokens": 400, "logit_bias": NO_EOS}
     with replicas(redis.url, 2, "--lock-ttl", "1") as procs:
-        (owner, owner_url), (_, other_url) = procs
+        owner, other_url = procs[0], procs[1].url
+        owner_url = owner.url
         async with aiohttp.ClientSession() as session:
             first = asyncio.create_task(session.post(owner_url + "/v1/completions", json=body))
-            await asyncio.sleep(0.3)  # the owner holds the lease and generates
+            for _ in range(2000):  # until the owner holds the lease and generates
+                if await _generations(session, owner_url) >= 1:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the owner did not start generating within ~20 s")
             second = asyncio.create_task(session.post(other_url + "/v1/completions", json=body))
             await asyncio.sleep(0.2)
             os.kill(owner.pid, signal.SIGKILL)
@@ -117,7 +76,7 @@ async def test_redis_stopped_and_restarted_under_requests(start_redis: StartServ
     redis = start_redis()
     prompts = [{"prompt": f"The owl {i}", "max_tokens": 8} for i in range(3)]
     with replicas(redis.url, 1, "--store-retry", "0.3") as procs:
-        url = procs[0][1]
+        url = procs[0].url
         failed = 0
         statuses: list[str] = []
         async with aiohttp.ClientSession() as session:
@@ -153,7 +112,7 @@ async def test_a_purge_on_one_replica_reaches_the_others_l1(
     body = {"prompt": "The heron", "max_tokens": 8}
     # l1_ttl of an hour: only the server's invalidations can make the other L1 let go.
     with replicas(f"tiered+{redis.url}/0?l1_ttl=3600", 2) as procs:
-        (_, one), (_, other) = procs
+        one, other = procs[0].url, procs[1].url
         async with aiohttp.ClientSession() as session:
             async def ask(url: str) -> tuple[str, str]:
                 async with session.post(url + "/v1/completions", json=body) as resp:

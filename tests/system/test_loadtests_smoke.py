@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+# One at a time (each starts three or four servers, some pinned to a core), beside the rest.
+pytestmark = pytest.mark.xdist_group("loadtests")
+
 LOADTESTS = Path(__file__).resolve().parents[2] / "loadtests"
 # Each script's wiring (servers, table, plot, JSON) with its cheapest scenario: the full-size
 # runs are the scripts' own; the faults each scenario injects are tested in the suite (see
@@ -24,7 +27,7 @@ SMOKES = {
                         "reproducibility.png", "| t0 concurrent |"),
     "hit_path": (("--smoke",), "hit_path.png", "| tiered |"),
     "workload": (("--smoke",), "workload.png", "| through cacheproxy |"),
-    "faults": (("--smoke", "--only", "hostile"), "faults.png", "| hostile |"),
+    "faults": (("--smoke", "--only", "hostile,soak"), "faults.png", "| hostile |"),
     "coherence": (("--smoke",), "coherence.png", "| tiered+redis, l1_ttl 3600 s | 5 |"),
 }
 
