@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 Clock = Callable[[], float]
 """Returns the current time in float seconds; injected so tests move time by hand."""
+PurgePause = Callable[[], Awaitable[object]]
+"""Awaited between two steps of a purge (see NamespacePurge)."""
 
 
 class BackendError(Exception):
@@ -59,8 +61,11 @@ class Backend(Protocol):
 class NamespacePurge(Protocol):
     """Optional capability: drop every key of the form "<namespace>/<rest>"."""
 
-    async def purge_namespace(self, namespace: str) -> int:
-        """Delete all keys starting with namespace + "/"; return how many were removed."""
+    async def purge_namespace(self, namespace: str, *, pause: PurgePause | None = None
+                              ) -> int:
+        """Delete all keys starting with namespace + "/"; return how many were removed.
+        A purge runs in steps; `pause`, if given, is awaited between two of them (a caller
+        paces or pauses a purge with it)."""
 
 
 @runtime_checkable

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -17,6 +17,7 @@ from backends.base import (
     PURGE_BATCH,
     BackendError,
     Clock,
+    PurgePause,
     StoreFull,
     StoreReadOnly,
     StoreRefused,
@@ -67,8 +68,6 @@ class DiskBackend:
         clock: Clock = time.time,
     ) -> None:
         self._directory = Path(directory)
-        # Awaited before each step of a purge (a load test pauses a purge in turns with it).
-        self.purge_pause: Callable[[], Awaitable[None]] | None = None
         if not self._directory.is_absolute():
             raise ValueError(f"disk store directory must be absolute, got {str(directory)!r}")
         self._max_bytes = check_max_bytes(max_bytes)
@@ -131,7 +130,8 @@ class DiskBackend:
         now = self._clock()
         return await self._run(lambda conn: self._delete(conn, key, now))
 
-    async def purge_namespace(self, namespace: str) -> int:
+    async def purge_namespace(self, namespace: str, *, pause: PurgePause | None = None
+                              ) -> int:
         """Delete every key starting with namespace + "/", in batches; return the count.
         The batches run in a child process (backends/disk_purger.py), on a connection of
         its own: reads never wait for it (WAL readers do not wait for the writer), nor share
@@ -155,8 +155,8 @@ class DiskBackend:
         total = 0
         try:
             while True:
-                if self.purge_pause is not None:
-                    await self.purge_pause()
+                if total and pause is not None:  # (between two steps)
+                    await pause()
                 if self._closed:
                     raise BackendError(f"{self!r} is closed")
                 removed = await self._purge_step(purger)

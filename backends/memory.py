@@ -11,6 +11,7 @@ from backends.base import (
     PURGE_BATCH,
     BackendError,
     Clock,
+    PurgePause,
     StoreStatsResult,
     check_max_bytes,
     entry_size,
@@ -94,12 +95,16 @@ class MemoryBackend:
         self._entries.clear()
         self._bytes = 0
 
-    async def purge_namespace(self, namespace: str) -> int:
-        """Delete every key starting with namespace + "/", in batches; return the count."""
+    async def purge_namespace(self, namespace: str, *, pause: PurgePause | None = None
+                              ) -> int:
+        """Delete every key starting with namespace + "/", in batches (`pause` awaited
+        between two); return the count."""
         self._check_open()
         prefix = namespace + "/"
         doomed = [key for key in self._entries if key.startswith(prefix)]
         for start in range(0, len(doomed), PURGE_BATCH):
+            if start and pause is not None:
+                await pause()
             for key in doomed[start : start + PURGE_BATCH]:
                 self._remove(key)
             await asyncio.sleep(0)  # let requests run between batches

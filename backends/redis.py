@@ -25,7 +25,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError
 
 from backends import redis_keyspace
-from backends.base import BackendError, StoreFull, StoreStatsResult, expiry
+from backends.base import BackendError, PurgePause, StoreFull, StoreStatsResult, expiry
 from backends.redis_keyspace import Client
 from backends.resp import GetLane, LaneError
 from backends.tracking import ClusterTracking, Listener, TrackedLane
@@ -51,8 +51,6 @@ class RedisBackend:
                  wait: float = 2 * DEFAULT_SOCKET_TIMEOUT, lane: GetLane | None = None,
                  cluster_tracking: TrackingFactory | None = None) -> None:
         self._client = client
-        # Awaited between two steps of a purge (a load test pauses a purge in turns with it).
-        self.purge_pause: redis_keyspace.PurgePause | None = None
         self._lane = lane  # GETs of a single server over TCP or Unix socket (see resp.py)
         self._cluster_tracking_for = cluster_tracking  # how to track a cluster's primaries
         self._cluster_tracking: ClusterTracking | None = None
@@ -202,17 +200,18 @@ class RedisBackend:
         finally:
             await pubsub.aclose()  # type: ignore[no-untyped-call]
 
-    async def purge_namespace(self, namespace: str) -> int:
+    async def purge_namespace(self, namespace: str, *, pause: PurgePause | None = None
+                              ) -> int:
         """SCAN "<namespace>/*" on every primary and UNLINK in small, paced steps (on a
         single server, on a connection of the purge's own); return the count."""
         async with self._guard:
             if self._lane is None:
                 return await redis_keyspace.purge_namespace(self._client, namespace,
-                                                            self.purge_pause)
+                                                            pause=pause)
             lane = self._lane.sibling()
             self._purge_lanes.add(lane)  # (closed by aclose too: a purge ends with its store)
             try:
-                return await redis_keyspace.purge_on_lane(lane, namespace, self.purge_pause)
+                return await redis_keyspace.purge_on_lane(lane, namespace, pause=pause)
             except LaneError as exc:
                 raise BackendError(f"{self!r}: {exc}") from exc
             finally:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from backends.base import PURGE_BATCH, BackendError, StoreStatsResult
+from backends.base import PURGE_BATCH, BackendError, PurgePause, StoreStatsResult
 from backends.resp import GetLane
 
 Client = Redis | RedisCluster
@@ -37,24 +37,25 @@ _PURGE_REST = 0.001  # seconds; uvloop does not sleep for less than a millisecon
 _PURGE_REST_MAX = 0.01
 
 
-PurgePause = Callable[[], Awaitable[None]]
-
-
-async def purge_namespace(client: Client, namespace: str, pause: PurgePause | None = None
+async def purge_namespace(client: Client, namespace: str, *, pause: PurgePause | None = None
                           ) -> int:
     """SCAN "<namespace>/*" on every primary and UNLINK in small steps, resting between
     them (and awaiting `pause`, if given, after each rest); return the count."""
     removed = 0
     started = time.monotonic()
-    async for batch in _batches(client, _glob_escape(namespace) + "/*",
-                                count=_PURGE_STEP, size=_PURGE_STEP):
+    batches = _batches(client, _glob_escape(namespace) + "/*", count=_PURGE_STEP,
+                       size=_PURGE_STEP)
+    batch = await anext(batches, None)
+    while batch is not None:
         # On a cluster, unlink() splits the batch by slot into one pipeline.
         removed += int(await client.unlink(*batch))
-        started = await _rest(started, pause)
+        batch = await anext(batches, None)  # (the next step's SCAN: is there one?)
+        if batch is not None:
+            started = await _rest(started, pause)
     return removed
 
 
-async def purge_on_lane(lane: GetLane, namespace: str, pause: PurgePause | None = None
+async def purge_on_lane(lane: GetLane, namespace: str, *, pause: PurgePause | None = None
                         ) -> int:
     """purge_namespace on one server, through a lane of the purge's own (resp.py): one
     SCAN and one UNLINK per step, packed and parsed at a fraction of redis-py's CPU, which

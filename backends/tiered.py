@@ -58,6 +58,7 @@ from backends.base import (
     Invalidations,
     NamespacePurge,
     NamespaceStats,
+    PurgePause,
     Scan,
     StoreStats,
     StoreStatsResult,
@@ -194,14 +195,15 @@ class TieredBackend:
         finally:
             self._touch(key)
 
-    async def purge_namespace(self, namespace: str) -> int:
-        """Purge L1, then L2; the count is L2's."""
+    async def purge_namespace(self, namespace: str, *, pause: PurgePause | None = None
+                              ) -> int:
+        """Purge L1, then L2 (paced by `pause`); the count is L2's."""
         self._epoch += 1
         try:
             await self._l1.purge_namespace(namespace)
             if not isinstance(self._l2, NamespacePurge):
                 raise _lacks(self._l2, NamespacePurge)
-            return await self._l2.purge_namespace(namespace)
+            return await self._l2.purge_namespace(namespace, pause=pause)
         finally:
             self._epoch += 1
 

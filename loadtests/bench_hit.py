@@ -63,8 +63,6 @@ BODY: dict[str, Any] = {
     "max_tokens": 32,
 }
 SERVER_CORE, LOAD_CORE = 0, 1
-START_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 5.0
 
 # wrk prints one JSON line from done(): the numbers we need, in microseconds.
 WRK_LUA = """\

@@ -537,8 +537,7 @@ async def foreign_write_get_ms(url: str, store: Any, keys: Sequence[str],
 # could hold the disk store's WAL index lock and stall every reader while it is stopped.
 PURGE_CHILD = """
 import asyncio, signal, sys, threading
-from backends import open_backend
-from cacheproxy.service.namespaces import Registry
+from cacheproxy.cli.store import purge
 running = threading.Event()
 running.set()
 signal.signal(signal.SIGUSR1, lambda *_: running.clear())
@@ -546,21 +545,13 @@ signal.signal(signal.SIGUSR2, lambda *_: running.set())
 async def paused():
     while not running.is_set():
         await asyncio.sleep(0.001)
-async def purge(url, digest):
-    # What `cacheproxy purge --namespace` does, with the store's public pause hook set.
-    store = open_backend(url)
-    store.purge_pause = paused
-    try:
-        removed = await store.purge_namespace(digest)
-        await Registry(store).forget([digest])
-    finally:
-        await store.aclose()
-    print(f"removed {removed} entries")
 print("ready", flush=True)
 sys.stdin.readline()
-asyncio.run(purge(sys.argv[1], sys.argv[2]))
+code = asyncio.run(purge(sys.argv[1], superseded=False, namespace=sys.argv[2], key=None,
+                         everything=False, confirm=lambda _: False, pause=paused))
 for turn in (signal.SIGUSR1, signal.SIGUSR2):  # (one sent as it ends would kill it)
     signal.signal(turn, signal.SIG_IGN)
+sys.exit(code)
 """
 
 
@@ -569,11 +560,11 @@ class Turns:
     and while it pauses are measured in the same seconds: what else runs on the machine
     (here: other engineers' test suites and benchmarks, load 2-5) weighs on both alike,
     where a "before" measured a minute earlier may have met another load. A purge pauses
-    between two of its steps, through the store's public hook (`purge_pause`, awaited
-    between two steps; Redis awaits it after its rest, so the rest is measured without
-    it): here, or in the child (PURGE_CHILD, told by SIGUSR1 and SIGUSR2)."""
+    between two of its steps, through the `pause` a purge awaits there (Redis after its
+    rest, so the rest is measured without it): here, or in the child (PURGE_CHILD, the
+    `cacheproxy purge` command's own function, told by SIGUSR1 and SIGUSR2)."""
 
-    def __init__(self, name: str, store: Any, child: Any, turn: float) -> None:
+    def __init__(self, child: Any, turn: float) -> None:
         self.turn = turn
         self.running = True
         self.switched = time.perf_counter()
@@ -581,13 +572,10 @@ class Turns:
         self._child = child
         self._gate = asyncio.Event()
         self._gate.set()
-        self._undo: list[Any] = []
-        if child is None and turn > 0:
-            self._wrap(store)
 
-    def _wrap(self, store: Any) -> None:
-        store.purge_pause = self._gate.wait  # (the stores' public hook between two steps)
-        self._undo.append(lambda: setattr(store, "purge_pause", None))
+    async def pause(self) -> None:
+        """What an in-process purge awaits between two steps (its `pause`)."""
+        await self._gate.wait()
 
     def tick(self, now: float) -> None:
         """Pause or resume when a turn is over."""
@@ -607,12 +595,10 @@ class Turns:
         self._gate.set() if running else self._gate.clear()
 
     def close(self, now: float) -> None:
-        """Resume for good and unwrap."""
+        """Resume for good."""
         if self.running:
             self.ran += now - self.switched
         self._set(True)
-        for undo in self._undo:
-            undo()
 
 
 async def purge_phase(name: str, store: Any, digest: str, filled: int,
@@ -640,13 +626,15 @@ async def purge_phase(name: str, store: Any, digest: str, filled: int,
     during: list[float] = []  # while the purge runs
     paused: list[float] = []  # while it pauses, in the same seconds
     clock = time.perf_counter_ns
-    turns = Turns(name, store, child, args.purge_turns)
+    turns = Turns(child, args.purge_turns)
     gc.collect()
     gc.disable()
     try:
         started = clock()
         if child is None:
-            task: asyncio.Task[Any] = asyncio.create_task(store.purge_namespace(digest))
+            task: asyncio.Task[Any] = asyncio.create_task(
+                store.purge_namespace(digest, pause=turns.pause if args.purge_turns > 0
+                                      else None))
         else:
             assert child.stdin is not None
             child.stdin.write(b"go\n")

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from backends import listing
-from backends.base import Backend, NamespacePurge, StoreStats
+from backends.base import Backend, NamespacePurge, PurgePause, StoreStats
 from cacheproxy.keys import codec
 from cacheproxy.service.cassette import open_store
 from cacheproxy.service.namespaces import REGISTRY_KEY, Registry, cache_entries
@@ -100,12 +100,13 @@ async def inspect(url: str, key: str, *, as_json: bool, out: TextIO | None = Non
 
 async def purge(
     url: str, *, superseded: bool, namespace: str | None, key: str | None, everything: bool,
-    confirm: Callable[[str], bool],
+    confirm: Callable[[str], bool], pause: PurgePause | None = None,
 ) -> int:
-    """Remove entries; prints how many went."""
+    """Remove entries; prints how many went. A namespace's purge awaits `pause` between
+    two of its steps (a load test pauses it in turns)."""
     store = await open_store(url)
     try:
-        removed = await _purge(store, superseded, namespace, key, everything, confirm)
+        removed = await _purge(store, superseded, namespace, key, everything, confirm, pause)
     finally:
         await store.aclose()
     if removed is None:
@@ -116,7 +117,8 @@ async def purge(
 
 
 async def _purge(store: Backend, superseded: bool, namespace: str | None, key: str | None,
-                 everything: bool, confirm: Callable[[str], bool]) -> int | None:
+                 everything: bool, confirm: Callable[[str], bool],
+                 pause: PurgePause | None) -> int | None:
     registry = Registry(store)
     if key is not None:
         return int(await store.delete(key))
@@ -134,7 +136,7 @@ async def _purge(store: Backend, superseded: bool, namespace: str | None, key: s
         raise ValueError("say what to purge: --superseded, --namespace, --key or --all")
     removed = 0
     for digest in targets:
-        removed += await store.purge_namespace(digest)
+        removed += await store.purge_namespace(digest, pause=pause)
     await registry.forget(targets)
     return removed
 

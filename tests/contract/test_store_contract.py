@@ -1067,3 +1067,32 @@ class TestOpenBackend:
             assert "l1_ttl=2.5" in repr(backend)
         finally:
             await backend.aclose()
+
+
+@pytest.mark.parametrize("store_kind", ["memory", "disk", "tiered-disk", "redis", "redis-cluster"])
+async def test_a_purge_awaits_its_pause_between_two_steps_only(
+        store_kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """`pause` (what a load test pauses a purge with) is awaited between two steps of a
+    purge, never before the first or after the last; the purge still removes everything."""
+    url = {"memory": "memory://", "disk": f"disk://{tmp_path}",
+           "tiered-disk": f"tiered+disk://{tmp_path}",
+           "redis": request.getfixturevalue("redis_url") if store_kind == "redis" else "",
+           "redis-cluster": request.getfixturevalue("redis_cluster_url")
+           if store_kind == "redis-cluster" else ""}[store_kind]
+    store = open_backend(url)
+    assert isinstance(store, NamespacePurge)
+    try:
+        count = 2 * PURGE_BATCH + 1  # three steps of the largest batch any store takes
+        await asyncio.gather(*(store.set(f"ns/{i:05d}", b"x") for i in range(count)))
+        await store.set("other/1", b"kept")
+        left: list[bool] = []
+
+        async def pause() -> None:  # is some of the namespace gone, and some still there?
+            left.append(any([await store.get(f"ns/{i:05d}") is not None
+                             for i in range(count)]))
+
+        assert await store.purge_namespace("ns", pause=pause) == count
+        assert len(left) >= 2 and all(left)  # between steps: something was always left
+        assert await store.get("ns/00000") is None and await store.get("other/1") == b"kept"
+    finally:
+        await store.aclose()

@@ -43,5 +43,3 @@ def test_send_buffer_bounds_what_the_kernel_holds_for_each_accepted_connection()
         assert size == 2 * asked if asked else size > 2 * 16384, (asked, size)
         for s in (accepted, client, listener):
             s.close()
-
-

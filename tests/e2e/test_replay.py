@@ -1,6 +1,7 @@
 """Record and replay: a recorded session exported, imported elsewhere and replayed byte for
 byte; what was not recorded fails loudly and names itself; a tampered line is refused with its
-number; a jsonl:// recording lives in a file; the README's pytest set-up runs as written."""
+number; a jsonl:// recording lives in a file (the README's pytest set-up:
+tests/system/test_readme_replay.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ from tests.conftest import ProxyFactory, free_port
 from tests.e2e.test_tool_calling import WEATHER
 from tests.harness.cli import cacheproxy
 
-README = Path(__file__).resolve().parents[2] / "README.md"
 CHAT, TEXT, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 ANIMALS = ("fox", "owl", "cat", "wolf", "duck")
 SESSION: list[tuple[str, dict[str, Any]]] = [
@@ -201,8 +201,6 @@ async def _count(url: str) -> int:
         return (await cache_entries(store, (await store.stats()).entries))  # type: ignore[attr-defined]
     finally:
         await store.aclose()
-
-
 
 
 async def test_a_jsonl_recording_is_written_back_and_replays(tmp_path: Path) -> None:

@@ -1,10 +1,12 @@
 """The command line in-process: `cacheproxy ARGS` through `cli.main.run`, its output
-captured (what `main()` adds, the process exit, is tested in tests/system)."""
+captured and no terminal on its stdin (what `main()` adds, the process exit, is tested in
+tests/system). Output streams are the process's: run one command at a time."""
 
 from __future__ import annotations
 
 import asyncio
 import io
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
@@ -24,12 +26,16 @@ class Done:
 def cacheproxy_sync(*args: str, check: bool = True) -> Done:
     """Run one command (from a thread without an event loop: commands run their own)."""
     out, err = io.TextIOWrapper(io.BytesIO(), encoding="utf-8"), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        try:
-            code = run(list(args))
-        except SystemExit as exc:  # argparse's usage errors
-            code = exc.code if isinstance(exc.code, int) else 2
-        out.flush()
+    stdin, sys.stdin = sys.stdin, io.StringIO()  # no terminal to ask (as stdin=DEVNULL)
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = run(list(args))
+            except SystemExit as exc:  # argparse's usage errors
+                code = exc.code if isinstance(exc.code, int) else 2
+            out.flush()
+    finally:
+        sys.stdin = stdin
     done = Done(code, out.buffer.getvalue().decode(), err.getvalue())  # type: ignore[attr-defined]
     if check:
         assert done.returncode == 0, done.stderr

@@ -2,8 +2,9 @@
 own (optionally pinned to a core), their output in a log file, started until a probe says
 they are ready, stopped with SIGTERM (then SIGKILL) when their group closes.
 
-`serving` and `replicas` are what the tests use: `cacheproxy serve` processes on free ports,
-healthy before the block runs, whose clean exit on SIGTERM is asserted.
+`serving` and `replicas` are what the tests use: `cacheproxy serve` processes on free ports
+(another port if the one picked was taken before the child bound it), healthy before the
+block runs, whose clean exit on SIGTERM is asserted.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ class Procs:
         if core is not None and not shutil.which("taskset"):
             def preexec() -> None:  # no taskset: pin the child ourselves
                 os.sched_setaffinity(0, {core})
-        with log.open("ab") as out:
+        with log.open("wb") as out:  # (a restart starts its log anew)
             proc = subprocess.Popen(pinned(argv, core), stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True,
                                     preexec_fn=preexec, env=env)
@@ -183,9 +184,21 @@ class Procs:
 def start_serve(procs: Procs, log: Path, *args: str,
                 env: Mapping[str, str] | None = None) -> Child:
     """`cacheproxy serve ARGS` on a free port, healthy."""
-    url = f"http://{HOST}:{free_port()}"
-    argv = [*CLI, "serve", "--port", url.rsplit(":", 1)[1], *args]
-    return procs.launch("serve", argv, url, log, health_probe(url), env=env, timeout=60)
+    return _on_a_free_port(lambda url: procs.launch(
+        "serve", [*CLI, "serve", "--port", url.rsplit(":", 1)[1], *args], url, log,
+        health_probe(url), env=env, timeout=60))
+
+
+def _on_a_free_port(start: Callable[[str], Child], attempts: int = 3) -> Child:
+    """start(url) on a free port; again on another if the port was taken between the pick
+    and the child's bind (another test's connection, on another xdist worker)."""
+    for attempt in range(attempts):
+        try:
+            return start(f"http://{HOST}:{free_port()}")
+        except HarnessError as exc:
+            if "address already in use" not in str(exc).lower() or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 @contextmanager
@@ -206,8 +219,8 @@ def serving(*args: str, env: Mapping[str, str] | None = None,
 
 @contextmanager
 def replicas(store: str, count: int, *extra: str) -> Iterator[list[Child]]:
-    """`count` serve processes on one store (started together, then waited for); all
-    stopped at the end."""
+    """`count` serve processes on one store (started together, then waited for); each
+    stopped at the end, its clean exit asserted (unless it was killed on purpose)."""
     with tempfile.TemporaryDirectory(prefix="replicas-") as tmp, Procs() as procs:
         started = []
         for i in range(count):
@@ -215,9 +228,11 @@ def replicas(store: str, count: int, *extra: str) -> Iterator[list[Child]]:
             argv = [*CLI, "serve", "--port", url.rsplit(":", 1)[1], "--store", store,
                     "--no-watch", *extra]
             log = Path(tmp) / f"replica-{i}.log"
-            started.append(Child(f"replica-{i}", url, procs.start(f"replica-{i}", argv, log,
-                                                                   None),
-                                 log, argv, None, health_probe(url)))
+            proc = procs.start(f"replica-{i}", argv, log, None)
+            started.append(Child(f"replica-{i}", url, proc, log, argv, None, health_probe(url)))
         for child in started:
             wait_ready(child.proc, child.probe, child.log, child.name, 60)
         yield started
+        running = [child for child in started if child.proc.poll() is None]
+        codes = {child.name: child.stop() for child in running}
+        assert set(codes.values()) <= {0}, f"replicas did not exit cleanly: {codes}"

@@ -37,24 +37,6 @@ def test_restart_with_disk_store_first_request_is_a_hit(tmp_path: Path) -> None:
     assert again == first
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def test_one_json_log_line_per_request_without_prompts(tmp_path: Path) -> None:
     output: list[str] = []
     with serving("--store", "memory://", output=output) as url:

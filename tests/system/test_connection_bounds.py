@@ -119,7 +119,3 @@ def test_an_answer_left_unread_is_cut_after_the_send_timeout(tmp_path: Path) -> 
             assert _health(url)["status"] == "ok"  # and the server goes on
         finally:
             reader.close()
-
-
-
-

@@ -33,5 +33,3 @@ def test_the_readme_pytest_example_records_then_replays(tmp_path: Path) -> None:
     (tmp_path / "test_answers.py").write_text(tests.replace("the fox eat", "the owl eat"))
     missing = pytest_run()
     assert missing.returncode != 0 and "not_recorded" in missing.stdout, missing.stdout
-
-
