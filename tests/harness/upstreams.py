@@ -9,9 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,41 +17,36 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from tests.harness.processes import Procs, health_probe, wait_ready
+
 _START_TIMEOUT_S = 60.0
 _FINGERPRINT = re.compile(rb'"system_fingerprint": ?"[^"]*"')
 
 
 class Upstream:
-    """One mlx_lm.server serving a model directory on a fixed port; restartable."""
+    """One mlx_lm.server serving a model directory on a fixed port; restartable (through
+    the tests' one launcher, tests/harness/processes.py)."""
 
     def __init__(self, model_dir: Path, port: int, log: Path) -> None:
         self.model_dir, self.port, self.log = model_dir, port, log
         self.url = f"http://127.0.0.1:{port}"
+        self._procs = Procs()
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         """Spawn the server (returns at once; `wait_ready` waits for it)."""
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        with self.log.open("ab") as out:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "mlx_lm.server", "--model", str(self.model_dir),
-                 "--host", "127.0.0.1", "--port", str(self.port),
-                 "--prompt-cache-size", "0"],  # every prefill cold, as the README says
-                stdout=out, stderr=subprocess.STDOUT, env=env)
+        argv = [sys.executable, "-m", "mlx_lm.server", "--model", str(self.model_dir),
+                "--host", "127.0.0.1", "--port", str(self.port),
+                "--prompt-cache-size", "0"]  # every prefill cold, as the README says
+        self._proc = self._procs.start("mlx_lm.server", argv, self.log, None,
+                                       {**os.environ, "HF_HUB_OFFLINE": "1"})
 
     def wait_ready(self) -> None:
-        """Poll /health until the server answers (the model is loaded at its first request)."""
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self._proc is None or self._proc.poll() is not None:
-                raise RuntimeError(f"mlx_lm.server exited; see {self.log}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(0.05)
-        raise TimeoutError(f"mlx_lm.server on {self.url} did not start; see {self.log}")
+        """Until /health answers (the model is loaded at its first request)."""
+        if self._proc is None:
+            raise RuntimeError("mlx_lm.server was not started")
+        wait_ready(self._proc, health_probe(self.url), self.log, "mlx_lm.server",
+                   _START_TIMEOUT_S)
 
     def kill(self) -> None:
         """Kill the process (SIGKILL: no goodbye to its clients) and reap it."""
