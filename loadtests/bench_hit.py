@@ -18,6 +18,10 @@ identical runs a single round's ratio moved by up to ±0.06 here.
     python loadtests/bench_hit.py                       # memory store, 3 rounds of 3 s
     python loadtests/bench_hit.py --store disk:///tmp/x --stream
     python loadtests/bench_hit.py --smoke --json        # concurrency 1, 1 s, no warm-up
+    python loadtests/bench_hit.py --models 2            # two models, requests alternating
+
+With --models 2, cacheproxy serves the demo model under two ids of one length (MODELS) and
+wrk alternates the request between them, so every request is routed by the body's model.
 
 The table also gives each server's CPU time (user + sys, from /proc) per request: on a
 shared machine rps moves with other load, CPU per request much less. wrk durations are
@@ -57,8 +61,10 @@ from tests.harness.processes import (  # noqa: E402
 )
 
 PATH = "/v1/chat/completions"
+# --models 2: the demo model under both ids (names of one length: the HIT bodies are too).
+MODELS = ("cacheproxy-demo", "cacheproxy-twin")
 BODY: dict[str, Any] = {
-    "model": "cacheproxy-demo",
+    "model": MODELS[0],
     "messages": [{"role": "user", "content": "What does the fox eat?"}],
     "max_tokens": 32,
 }
@@ -69,7 +75,7 @@ WRK_LUA = """\
 wrk.method = "POST"
 wrk.body = %(body)s
 wrk.headers["Content-Type"] = "application/json"
-
+%(alternate)s
 function done(summary, latency, requests)
   local e = summary.errors
   io.write(string.format(
@@ -81,6 +87,41 @@ function done(summary, latency, requests)
     latency.mean, e.connect, e.read, e.write, e.status, e.timeout))
 end
 """
+
+
+# More than one body: the requests are made once and sent in turn.
+ALTERNATE_LUA = """\
+local bodies, requests, sent = {%(bodies)s}, {}, 0
+function init(args)
+  for i, body in ipairs(bodies) do requests[i] = wrk.format(nil, nil, nil, body) end
+end
+function request()
+  sent = sent + 1
+  return requests[sent %% #requests + 1]
+end
+"""
+
+
+def wrk_script(payloads: list[bytes]) -> str:
+    """The wrk script that POSTs `payloads` (in turn when there are several)."""
+    bodies = [json.dumps(p.decode()) for p in payloads]
+    alternate = ALTERNATE_LUA % {"bodies": ", ".join(bodies)} if len(payloads) > 1 else ""
+    return WRK_LUA % {"body": bodies[0], "alternate": alternate}
+
+
+def payloads(stream: bool, models: int) -> list[bytes]:
+    """The request bodies: one per served model."""
+    body = dict(BODY, stream=True) if stream else BODY
+    return [json.dumps({**body, "model": name}, separators=(",", ":")).encode()
+            for name in MODELS[:models]]
+
+
+def model_args(models: int) -> list[str]:
+    """cacheproxy's --model options: none for the demo alone, else the demo under each id."""
+    if models <= 1:
+        return []
+    from cacheproxy.runners.demo.model import BUNDLED_MODEL
+    return [arg for name in MODELS[:models] for arg in ("--model", f"{name}={BUNDLED_MODEL}")]
 
 
 BenchError = HarnessError  # (one error for the process machinery tests and load tests share)
@@ -225,9 +266,9 @@ def run_python(url: str, payload: bytes, conns: int, seconds: float) -> Point:
 
 
 @contextlib.contextmanager
-def servers(args: argparse.Namespace, work: Path, payload: bytes
+def servers(args: argparse.Namespace, work: Path, bodies: list[bytes]
             ) -> Iterator[tuple[dict[str, tuple[str, int]], dict[str, Any]]]:
-    """Start cacheproxy, prime and verify a HIT, start the bare responder.
+    """Start cacheproxy, prime and verify a HIT of each body, start the bare responder.
 
     Yields {"bare": (url, pid), "cacheproxy": (url, pid)} and facts about the HIT.
     """
@@ -238,17 +279,17 @@ def servers(args: argparse.Namespace, work: Path, payload: bytes
         cp_log = work / "cacheproxy.log"
         cp = procs.start("cacheproxy", [*args.cacheproxy, "serve", "--host", HOST,
                                         "--port", str(cp_port), "--store", args.store,
-                                        "--log-level", args.log_level], cp_log, core)
+                                        "--log-level", args.log_level,
+                                        *model_args(args.models)], cp_log, core)
         base = f"http://{HOST}:{cp_port}"
         wait_ready(cp, lambda: http("GET", base + "/health", timeout=2)[0] == 200, cp_log,
                    "cacheproxy")
-        first = http("POST", base + PATH, payload)
-        if first[0] != 200:
-            raise BenchError(f"priming request answered {first[0]}: {first[2][:500]!r}")
-        status, headers, hit_body = http("POST", base + PATH, payload)
+        hits = [_prime(base + PATH, body) for body in bodies]
+        first, (headers, hit_body) = hits[0][0], hits[0][1:]
         cache = headers.get("X-Cache", "")
-        if status != 200 or not cache.startswith("HIT"):
-            raise BenchError(f"second request was not a HIT: {status} X-Cache={cache!r}")
+        if len({len(hit[2]) for hit in hits}) != 1:
+            raise BenchError("the HIT bodies of the models differ in length")
+        payload = bodies[0]
         hit_file = work / "hit_body"
         hit_file.write_bytes(hit_body)
 
@@ -268,11 +309,26 @@ def servers(args: argparse.Namespace, work: Path, payload: bytes
                 "hit_headers": {k: v for k, v in headers.items() if k.startswith("X-Cache")}}
         yield {"bare": (bare_url, bare.pid), "cacheproxy": (base + PATH, cp.pid)}, info
         # Still a HIT after the load (nothing was evicted or refilled meanwhile).
-        after = http("POST", base + PATH, payload)[1].get("X-Cache", "")
-        if not after.startswith("HIT"):
-            raise BenchError(f"after the load the request is no longer a HIT: {after!r}")
+        for body in bodies:
+            after = http("POST", base + PATH, body)[1].get("X-Cache", "")
+            if not after.startswith("HIT"):
+                raise BenchError(f"after the load the request is no longer a HIT: {after!r}")
     finally:
         procs.close()
+
+
+def _prime(url: str, body: bytes) -> tuple[tuple[int, dict[str, str], bytes], dict[str, str],
+                                          bytes]:
+    """Store the answer to `body` (MISS) and check the next one is a HIT: (the priming
+    response, the HIT's headers and body)."""
+    first = http("POST", url, body)
+    if first[0] != 200:
+        raise BenchError(f"priming request answered {first[0]}: {first[2][:500]!r}")
+    status, headers, hit_body = http("POST", url, body)
+    cache = headers.get("X-Cache", "")
+    if status != 200 or not cache.startswith("HIT"):
+        raise BenchError(f"second request was not a HIT: {status} X-Cache={cache!r}")
+    return first, headers, hit_body
 
 
 def _round(args: argparse.Namespace, targets: dict[str, tuple[str, int]], conns: int,
@@ -306,8 +362,8 @@ def _round(args: argparse.Namespace, targets: dict[str, tuple[str, int]], conns:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    body = dict(BODY, stream=True) if args.stream else BODY
-    payload = json.dumps(body, separators=(",", ":")).encode()
+    bodies = payloads(args.stream, args.models)
+    payload = bodies[0]  # (the Python load loop sends this one only)
     wrk = None if args.load == "python" else shutil.which("wrk")
     if args.load == "wrk" and wrk is None:
         raise BenchError("--load wrk but wrk is not on PATH")
@@ -324,12 +380,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench_hit_") as tmp:
         work = Path(tmp)
         script = work / "post.lua"
-        script.write_text(WRK_LUA % {"body": json.dumps(payload.decode())})
+        script.write_text(wrk_script(bodies))
         # Each round runs on fresh server processes: the same code ran 3 % faster or slower
         # from one process to the next (hash seeds, memory layout), more than one round moves.
         by_conns: dict[int, list[tuple[Point, Point]]] = {c: [] for c in args.concurrency}
         for r in range(args.rounds):
-            with servers(args, work, payload) as (targets, info):
+            with servers(args, work, bodies) as (targets, info):
                 for conns in args.concurrency:
                     by_conns[conns].append(
                         _round(args, targets, conns, r, wrk, script, payload, load_core))
@@ -346,6 +402,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                          "round_ratios": [round(r, 3) for r in ratios]})
     return {
         "load_generator": generator, "store": args.store, "stream": args.stream,
+        "models": args.models,
         "duration_s": args.duration, "warmup_s": args.warmup, "rounds": args.rounds,
         "threads": 1,
         "pinned": {"servers": SERVER_CORE, "load": LOAD_CORE} if args.pin else None,
@@ -358,6 +415,7 @@ def markdown(result: dict[str, Any]) -> str:
     pin = result["pinned"]
     lines = [
         f"load generator: {result['load_generator']}; store {result['store']}; "
+        f"{result['models']} model(s); "
         f"{'stream' if result['stream'] else 'non-stream'}; {result['duration_s']:g} s per point "
         f"(+{result['warmup_s']:g} s warm-up); hit body {result['hit_body_bytes']} B; "
         + (f"servers on core {pin['servers']}, load on core {pin['load']}" if pin
@@ -407,6 +465,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--store", default="memory://", help="store URL passed to cacheproxy serve")
     p.add_argument("--stream", action="store_true", help="measure stream: true hits")
+    p.add_argument("--models", type=int, choices=(1, 2), default=1,
+                   help="models served (2: the requests alternate between them)")
     p.add_argument("--duration", type=float, default=3.0,
                    help="seconds per target and round (default 3)")
     p.add_argument("--rounds", type=int, default=3,

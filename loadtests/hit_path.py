@@ -61,7 +61,7 @@ def store_url(store: str, work: Path, redis_url: str | None) -> str:
 
 def bench_args(args: argparse.Namespace, store: str, stream: bool) -> argparse.Namespace:
     return argparse.Namespace(
-        store=store, stream=stream, duration=args.duration, warmup=args.warmup,
+        store=store, stream=stream, models=1, duration=args.duration, warmup=args.warmup,
         rounds=args.rounds, concurrency=args.concurrency, load="auto", log_level="info",
         pin=args.pin, cacheproxy=cacheproxy_cmd())
 

@@ -104,12 +104,16 @@ async def make_proxy(runner: MlxRunner, tmp_path: Path) -> AsyncIterator[ProxyFa
     stores: list[Backend] = []
 
     async def start(
-        *, store: str = "memory://", the_runner: MlxRunner | None = None, **overrides: object
+        *, store: str = "memory://", the_runner: MlxRunner | None = None,
+        own_runners: bool = False, **overrides: object
     ) -> Proxy:
+        """own_runners: the app starts (and stops) a runner per model of the settings (several
+        with model="ID=PATH,ID=PATH"), not the session's."""
         settings = replace(Settings(store=store, model=str(BUNDLED_MODEL)), **overrides)
         backend = open_backend(settings.store)
         stores.append(backend)
-        app = build_app(settings, runner=the_runner or runner, store=backend)
+        app = build_app(settings, runner=None if own_runners else the_runner or runner,
+                        store=backend)
         server = TestServer(app, host="127.0.0.1", port=free_port())
         await server.start_server()
         servers.append(server)

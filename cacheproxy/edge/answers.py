@@ -19,7 +19,7 @@ from aiohttp import web
 from cacheproxy.edge import render, responses_render
 from cacheproxy.edge.aiohttp_adapter import Body, Rendered, forget_frames, header_lines
 from cacheproxy.edge.route import JSON
-from cacheproxy.edge.state import CACHE_LOG, IDENTITY, IDS, MODELS, OPTIONS, PROXY, Served
+from cacheproxy.edge.state import CACHE_LOG, IDENTITY, IDS, OPTIONS, ROUTER
 from cacheproxy.errors import ClientGone, ProxyError, RequestTimeout, UnreadableBody
 from cacheproxy.keys.canonical import Parsed, Route
 from cacheproxy.keys.codec import Chunk, Output
@@ -36,8 +36,8 @@ SSE = "text/event-stream"
 async def _complete(request: web.Request, endpoint: Route) -> web.StreamResponse:
     app = request.app
     raw = await _body(request)
-    models = app[MODELS]
-    proxy = app[PROXY] if len(models) == 1 else _routed(models, raw, app[PROXY])
+    router = app[ROUTER]
+    proxy = router.default if router.single else router.route(raw)  # (single: no call)
     scope = request.get(IDENTITY, "") if app[OPTIONS].cache_scope == "per-key" else ""
     control = request.headers.get("Cache-Control")
     # Step 0 without a coroutine when it can (a repeat HIT held in this process), else all.
@@ -53,18 +53,6 @@ async def _complete(request: web.Request, endpoint: Route) -> web.StreamResponse
             return await _flowing(request, answer, proxy.options.ttl)
         case _:
             assert_never(answer)
-
-
-def _routed(models: dict[str, Served], raw: bytes, default: CachingProxy) -> CachingProxy:
-    """The proxy of the model a body names (several served); the default one for a body
-    that names none or an unknown one, whose parse then says what is wrong (400 or 404)."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return default
-    name = body.get("model") if isinstance(body, dict) else None
-    served = models.get(name) if isinstance(name, str) else None
-    return served.proxy if served is not None else default
 
 
 async def _body(request: web.Request) -> bytes:

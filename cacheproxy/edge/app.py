@@ -20,6 +20,7 @@ from cacheproxy.edge.aiohttp_adapter import expect_within
 from cacheproxy.edge.auth import check_admin, client_identity
 from cacheproxy.edge.render import ResponseIds
 from cacheproxy.edge.route import Handler, Limits, edge, json_response, no_route
+from cacheproxy.edge.routing import Router
 from cacheproxy.edge.state import (
     IDENTITY,
     IDS,
@@ -28,6 +29,7 @@ from cacheproxy.edge.state import (
     MODELS,
     OPTIONS,
     PROXY,
+    ROUTER,
     STARTED,
     EdgeOptions,
     Served,
@@ -67,6 +69,7 @@ def _lifecycle(parts: Parts) -> Callable[[web.Application], AsyncIterator[None]]
                 for name in (defaults.model_id, *sorted(defaults.aliases)):
                     models.setdefault(name, Served(proxy, invalidator))
             app[MODELS] = models
+            app[ROUTER] = Router({name: s.proxy for name, s in models.items()}, app[PROXY])
             yield
 
     return ctx

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from cacheproxy.edge.render import ResponseIds
+from cacheproxy.edge.routing import Router
 from cacheproxy.observe.metrics import Metrics
 from cacheproxy.service.invalidation import Invalidator
 from cacheproxy.service.proxy import CachingProxy
@@ -44,4 +45,5 @@ CACHE_LOG = web.RequestKey("cache_log", dict)
 IDENTITY = web.RequestKey("identity", str)
 # Every served model by id and alias (several with --model ID=PATH ...; PROXY is the first).
 MODELS = web.AppKey("models", dict[str, Served])
+ROUTER = web.AppKey("router", Router[CachingProxy])  # MODELS as the POST routes use them
 CONNECTIONS = web.AppKey("connections", dict[str, int])  # the connection guard's counters (serve)

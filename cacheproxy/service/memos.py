@@ -97,6 +97,7 @@ class ParseMemo:
                         tuple[RunnerDefaults, SamplingMode, Parsed]] = LRU(max_entries)
         self._cap = max_tokens_cap
         self._budget = max_answer_tokens
+        self.decodes = 0  # bodies JSON-decoded (a repeat of a remembered one decodes none)
 
     def parse(
         self, raw: bytes, route: Route, defaults: RunnerDefaults, mode: SamplingMode,
@@ -108,6 +109,7 @@ class ParseMemo:
         known = self._memo.get(memo_key) if len(raw) <= MAX_MEMO_BODY else None
         if known is not None and known[0] is defaults and known[1] == mode:
             return known[2]
+        self.decodes += 1
         body = decode_body(raw)
         if route == "responses":
             parsed = parse_responses(body, defaults, mode, max_tokens_cap=self._cap,
