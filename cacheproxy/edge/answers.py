@@ -36,9 +36,9 @@ SSE = "text/event-stream"
 async def _complete(request: web.Request, endpoint: Route) -> web.StreamResponse:
     app = request.app
     raw = await _body(request)
-    router = app[ROUTER]
-    proxy = router.default if router.single else router.route(raw)  # (single: no call)
     scope = request.get(IDENTITY, "") if app[OPTIONS].cache_scope == "per-key" else ""
+    router = app[ROUTER]
+    proxy = router.default if router.single else router.route(raw, scope)  # (single: no call)
     control = request.headers.get("Cache-Control")
     # Step 0 without a coroutine when it can (a repeat HIT held in this process), else all.
     recalled = proxy.recall(endpoint, raw, scope) if control is None else None

@@ -1,6 +1,7 @@
 """Which served model's proxy answers a request body (`--model ID=PATH`, repeatable), with as
-few JSON decodes as possible: none on a one-model server, one per body on several (a body's
-bytes name its model for good, so a repeat HIT of any model decodes nothing)."""
+few JSON decodes as possible: none on a one-model server; on several, one per body and cache
+scope (a body's bytes name its model for good, so a repeat HIT of any model decodes
+nothing), but every time for a body over MAX_MEMO_BODY or one that names no served model."""
 
 from __future__ import annotations
 
@@ -23,17 +24,19 @@ class Router(Generic[T]):
         self._names = dict(names)
         # A model answers to its id and aliases: names, not models, may be several.
         self.single = all(target is default for target in self._names.values())
-        self._routed: LRU[bytes, T] = LRU(max_entries)  # bodies (up to MAX_MEMO_BODY) routed
+        # Bodies routed, by (cache scope, body): as the parse memo, no tenant's body routes
+        # faster because another tenant sent it (under `per-key`, timing tells nothing).
+        self._routed: LRU[tuple[str, bytes], T] = LRU(max_entries)
         self.decodes = 0  # bodies JSON-decoded to route them
 
-    def route(self, raw: bytes) -> T:
-        """The proxy that answers `raw`."""
+    def route(self, raw: bytes, scope: str = "") -> T:
+        """The proxy that answers `raw` (sent by a caller of cache scope `scope`)."""
         if self.single:
             return self.default
-        known = self._routed.get(raw)
-        return known if known is not None else self._decoded(raw)
+        known = self._routed.get((scope, raw))
+        return known if known is not None else self._decoded(raw, scope)
 
-    def _decoded(self, raw: bytes) -> T:
+    def _decoded(self, raw: bytes, scope: str) -> T:
         self.decodes += 1
         try:
             body = orjson.loads(raw)
@@ -44,5 +47,5 @@ class Router(Generic[T]):
         if found is None:
             return self.default
         if len(raw) <= MAX_MEMO_BODY:  # (the parse memo's bound: bigger ones are parsed anew)
-            self._routed.put(raw, found, size=len(raw))
+            self._routed.put((scope, raw), found, size=len(raw))
         return found

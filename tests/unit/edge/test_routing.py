@@ -27,6 +27,12 @@ def test_several_models_decode_a_body_once() -> None:
     assert router.decodes == 2
 
 
+def test_a_body_is_remembered_per_cache_scope() -> None:
+    router = Router({"demo": "A", "twin": "B"}, "A")
+    assert [router.route(_body("twin"), scope) for scope in ("k1", "k2", "k1")] == ["B"] * 3
+    assert router.decodes == 2  # k2's first is decoded: k1's sending it does not show
+
+
 def test_what_names_no_served_model_goes_to_the_default_and_is_not_remembered() -> None:
     router = Router({"demo": "A", "twin": "B"}, "A")
     bad = (b"not json", b"[1]", _body(None), _body(7), _body("other"))
