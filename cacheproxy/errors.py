@@ -57,6 +57,13 @@ class Unsupported(InvalidRequest):
     code = "unsupported_parameter"
 
 
+class SchemaTooComplex(InvalidRequest):
+    """A schema whose grammar exceeds what the engine may spend on one (its build or its
+    first use failed, or went over a budget): never cached, never a 500."""
+
+    code = "schema_too_complex"
+
+
 class Unauthorized(ProxyError):
     """Missing or wrong API key / admin token."""
 
