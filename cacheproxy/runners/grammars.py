@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cacheproxy.errors import SchemaTooComplex
+from cacheproxy.keys.grammar import plain
 
 _FIRST_STEPS = 2  # a bomb's lexer blows up at its second mask (after the forced quote)
 
@@ -55,7 +56,7 @@ class Grammars:
     def __len__(self) -> int:
         return len(self._compiled)
 
-    def matcher(self, grammar: str, param: str) -> Any:
+    def matcher(self, grammar: str, param: str = "response_format") -> Any:
         """A fresh matcher of `grammar` (a copy of the one compiled for it: microseconds);
         SchemaTooComplex (naming `param`) when it cannot be built or first used."""
         with self._lock:
@@ -143,7 +144,7 @@ def mask_of(matcher: Any, vocab: int, param: str, *, check: bool = True) -> Any:
 
 def too_complex(matcher: Any, param: str) -> SchemaTooComplex:
     """The error of a matcher that failed: its reason's first line, no parser state."""
-    reason = (matcher.get_error() or "failed").splitlines()[0][:120]
+    reason = plain(matcher.get_error() or "failed")[:160]
     return SchemaTooComplex(f"'{param}' cannot be enforced: the grammar engine gave up on it "
                             f"({reason})", param=param)
 
