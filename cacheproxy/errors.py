@@ -72,6 +72,26 @@ class Unauthorized(ProxyError):
     code = "invalid_api_key"
 
 
+class Forbidden(ProxyError):
+    """A request this proxy refuses whoever sends it (a browser's, on another site's behalf)."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "forbidden"
+
+
+class CrossSiteRefused(Forbidden):
+    """A browser's request from another site (Origin, or a Content-Type no API client sends)."""
+
+    code = "cross_site_request"
+
+
+class HostNotAllowed(Forbidden):
+    """A Host header that names another machine (DNS rebinding)."""
+
+    code = "host_not_allowed"
+
+
 class ModelNotFound(ProxyError):
     """The request names a model this proxy does not serve."""
 

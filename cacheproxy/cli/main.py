@@ -47,6 +47,12 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--ttl", {"type": float, "help": "seconds an entry lives (default: no expiry)"}),
     ("--api-key", {"dest": "api_keys", "action": "append",
                    "help": "accepted client API key (repeatable; env CACHEPROXY_API_KEYS)"}),
+    ("--allowed-hosts", {"action": "append", "metavar": "NAME[,NAME]",
+                         "help": "bound to loopback without keys: Host names accepted besides "
+                                 "loopback ones, '*' any (DNS rebinding guard)"}),
+    ("--allowed-origins", {"action": "append", "metavar": "ORIGIN[,ORIGIN]",
+                           "help": "bound to loopback without keys: browser origins allowed "
+                                   "(scheme://host[:port]; '*' any); others get 403"}),
     ("--cache-scope", {"choices": ["shared", "per-key"]}),
     ("--status-access", {"choices": ["auto", "admin", "api-key", "public"],
                          "help": "who may read /metrics and /status.json"}),

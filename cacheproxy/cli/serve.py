@@ -48,7 +48,9 @@ def build_app(settings: Settings, *, runner: Runner | None = None,
                           status_access=settings.status_readers,
                           max_in_flight=settings.max_in_flight,
                           body_timeout=settings.body_timeout,
-                          store_label=redact_url(settings.store))
+                          store_label=redact_url(settings.store),
+                          bound_host=settings.host, allowed_hosts=settings.allowed_hosts,
+                          allowed_origins=settings.allowed_origins)
     return create_app(options, partial(_parts, settings, runner, store))
 
 

@@ -52,6 +52,10 @@ class Settings:
     digest_memo: str = dataclasses.field(default_factory=default_digest_memo)
     ttl: float | None = None
     api_keys: tuple[str, ...] = ()
+    # Bound to loopback without keys: the Host names and browser origins accepted besides
+    # the loopback ones ("*": any); see edge/origin.py.
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
     cache_scope: str = "shared"
     admin_token: str = ""
     # Who may read /metrics and /status.json: "auto" is the admin token's holder when one is
