@@ -93,7 +93,8 @@ async def _parts(settings: Settings, runner: Runner | None, store: Backend | Non
     """The served models, each with its own runner (lane), invalidator (watcher, lease,
     namespace) and proxy, over one store; the first is the default."""
     # A bad URL fails before the model loads.
-    the_store = store or await open_store(settings.store, replay=settings.replay)
+    the_store = store or await open_store(settings.store, replay=settings.replay,
+                                          record_key=settings.record_key.encode())
     runners = [runner] if runner is not None else build_runners(settings)
     served: list[tuple[CachingProxy, Invalidator]] = []
     started: list[Runner] = []

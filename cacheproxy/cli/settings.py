@@ -77,6 +77,7 @@ class Settings:
     lease_ttl: float = 30.0  # a replica's lease on the namespace it serves (renewed every third)
     supersede_grace: float = 60.0  # how long after its last replica a namespace is superseded
     replay: bool = False
+    record_key: str = ""  # HMAC secret of recorded and exported lines ("": checksums only)
     upstream: tuple[str, ...] = ()  # mlx_lm.server URLs: generate there instead of in-process
     model_dir: str = ""  # with upstream: the model directory the upstreams serve
     upstream_timeout: float = 30.0
