@@ -7,6 +7,7 @@ upstream pool), the store, the invalidator and the service, and the edge's optio
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import resource
 import signal
@@ -140,8 +141,9 @@ def serve(settings: Settings) -> int:
     from cacheproxy.observe import logs
 
     files = resource.getrlimit(resource.RLIMIT_NOFILE)  # before mlx-lm is imported
+    sock = listening_socket(settings.host, settings.port, send_buffer=settings.send_buffer)
     batched = logs.configure(fmt=settings.log_format, level=settings.log_level)
-    uvloop.run(_serve(settings, batched, files))
+    uvloop.run(_serve(settings, batched, files, sock))
     # Everything is closed (stores, lanes). The process leaves without the interpreter's
     # teardown (cli/main.py::_leave), so the atexit hook of the batched log lines never runs:
     # flush them here.
@@ -154,7 +156,12 @@ def listening_socket(host: str, port: int, *, send_buffer: int = 0) -> socket.so
     """The server's socket; with `send_buffer`, the kernel's send buffer of every connection
     it accepts (they inherit it): what a client that does not read can make the kernel hold
     (autotuned, up to 4 MB each on Linux; 100 unread answers held ~400 MB)."""
-    sock = socket.create_server((host, port), family=_family(host), backlog=1024)
+    try:
+        sock = socket.create_server((host, port), family=_family(host), backlog=1024)
+    except OSError as exc:  # one line and exit 2 (cli/main.py), before any model loads
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is in use") from None
+        raise ValueError(f"cannot listen on {host} port {port}: {exc.strerror}") from None
     if send_buffer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     return sock
@@ -185,7 +192,7 @@ def restore_file_limit(before: tuple[int, int], max_connections: int) -> None:
 
 
 async def _serve(settings: Settings, batched: BatchedLines | None,
-                 files: tuple[int, int]) -> None:
+                 files: tuple[int, int], sock: socket.socket) -> None:
     from cacheproxy.edge.aiohttp_adapter import ConnectionGuard
     from cacheproxy.observe import logs
 
@@ -203,8 +210,7 @@ async def _serve(settings: Settings, batched: BatchedLines | None,
                                 send_timeout=settings.send_timeout, counters=counters)
         guard.install()
         watcher = asyncio.create_task(guard.watch())
-    site = web.SockSite(runner, listening_socket(settings.host, settings.port,
-                                                 send_buffer=settings.send_buffer))
+    site = web.SockSite(runner, sock)  # bound first: a taken port fails before the model loads
     await site.start()
     restore_file_limit(files, settings.max_connections)  # the runner has imported mlx-lm
     # The model, tokenizer and imports are ~100k long-lived objects: out of the collector's
@@ -232,6 +238,8 @@ def _announce(settings: Settings) -> None:
         print(f"cacheproxy: WARNING: listening on {settings.host} without API keys: anyone who "
               "can reach this address can generate and read cached answers "
               "(set --api-key or CACHEPROXY_API_KEYS)", file=sys.stderr, flush=True)
-    print(f"cacheproxy serving {settings.served_model_id} on http://{settings.host}:"
+    names = [pool.model_id for pool in settings.upstream_pools] if settings.upstream else \
+        [name for name, _ in settings.served_models]
+    print(f"cacheproxy serving {', '.join(names)} on http://{settings.host}:"
           f"{settings.port}/v1 (store {redact_url(settings.store)})", file=sys.stderr,
           flush=True)
