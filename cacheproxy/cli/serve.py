@@ -37,6 +37,7 @@ from cacheproxy.service.proxy import CachingProxy, ServiceOptions
 
 log = structlog.get_logger("cacheproxy.serve")
 FILES_BESIDES_CONNECTIONS = 64  # store, upstream, model and log files
+BACKLOG = 1024  # connections the kernel queues before the server accepts them
 
 
 def build_app(settings: Settings, *, runner: Runner | None = None,
@@ -141,7 +142,7 @@ def serve(settings: Settings) -> int:
     from cacheproxy.observe import logs
 
     files = resource.getrlimit(resource.RLIMIT_NOFILE)  # before mlx-lm is imported
-    sock = listening_socket(settings.host, settings.port, send_buffer=settings.send_buffer)
+    sock = bound_socket(settings.host, settings.port, send_buffer=settings.send_buffer)
     batched = logs.configure(fmt=settings.log_format, level=settings.log_level)
     uvloop.run(_serve(settings, batched, files, sock))
     # Everything is closed (stores, lanes). The process leaves without the interpreter's
@@ -153,17 +154,30 @@ def serve(settings: Settings) -> int:
 
 
 def listening_socket(host: str, port: int, *, send_buffer: int = 0) -> socket.socket:
-    """The server's socket; with `send_buffer`, the kernel's send buffer of every connection
-    it accepts (they inherit it): what a client that does not read can make the kernel hold
-    (autotuned, up to 4 MB each on Linux; 100 unread answers held ~400 MB)."""
+    """The server's socket, listening; with `send_buffer`, the kernel's send buffer of every
+    connection it accepts (they inherit it): what a client that does not read can make the
+    kernel hold (autotuned, up to 4 MB each on Linux; 100 unread answers held ~400 MB)."""
+    sock = bound_socket(host, port, send_buffer=send_buffer)
+    sock.listen(BACKLOG)
+    return sock
+
+
+def bound_socket(host: str, port: int, *, send_buffer: int = 0) -> socket.socket:
+    """The server's socket, bound and not yet listening (connections are refused until the
+    server starts, as before a model has loaded); a taken port is a one-line ValueError."""
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
     try:
-        sock = socket.create_server((host, port), family=_family(host), backlog=1024)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if sock.family == socket.AF_INET6:  # as socket.create_server: IPv6 only
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        if send_buffer:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+        sock.bind((host, port))
     except OSError as exc:  # one line and exit 2 (cli/main.py), before any model loads
+        sock.close()
         if exc.errno == errno.EADDRINUSE:
             raise ValueError(f"port {port} on {host} is in use") from None
         raise ValueError(f"cannot listen on {host} port {port}: {exc.strerror}") from None
-    if send_buffer:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     return sock
 
 
@@ -210,7 +224,8 @@ async def _serve(settings: Settings, batched: BatchedLines | None,
                                 send_timeout=settings.send_timeout, counters=counters)
         guard.install()
         watcher = asyncio.create_task(guard.watch())
-    site = web.SockSite(runner, sock)  # bound first: a taken port fails before the model loads
+    # Bound first (a taken port fails before the model loads), listening from now on.
+    site = web.SockSite(runner, sock, backlog=BACKLOG)
     await site.start()
     restore_file_limit(files, settings.max_connections)  # the runner has imported mlx-lm
     # The model, tokenizer and imports are ~100k long-lived objects: out of the collector's
