@@ -86,8 +86,9 @@ class Grammars:
         limits = LLParserLimits(initial_lexer_fuel=b.initial_lexer_fuel,
                                 step_lexer_fuel=b.step_lexer_fuel,
                                 max_lexer_states=b.max_lexer_states, verbose_errors=False)
+        tokenizer = self._llguidance_tokenizer()  # (built once: not this grammar's cost)
         before = _resident_bytes()
-        template = LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0, limits=limits)
+        template = LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
         first = template.deep_copy()  # used as a generation first uses it, then dropped
         for _ in range(_FIRST_STEPS):
             if first.is_error() or first.is_stopped():

@@ -12,7 +12,18 @@ import pytest
 import xxhash
 
 from cacheproxy.keys import codec, transcript
-from tests.test_transcript import RECORD
+
+RECORD = codec.Record(  # (its own copy: test files are being moved between tiers)
+    request={"endpoint": "chat", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+             "sampling": {"temperature": 0.0, "seed": None}},
+    output=codec.Output(
+        chunks=(codec.Chunk("", (11, 12), (), reasoning="The user asks."),
+                codec.Chunk("It is sunny.", (13, 14), ()),
+                codec.Chunk("", (15,), tool_calls=(codec.ToolCallOut(0, "get_weather",
+                                                                     '{"city": "Paris"}'),))),
+        finish_reason="tool_calls", prompt_tokens=21, completion_tokens=5),
+    provenance={"fingerprint": "f" * 32, "created_at": 1796115531.25,
+                "fingerprint_fields": {"quantization": {"bits": None}}})
 
 KEY = "f" * 32 + "/abc"
 SECRET = b"a record key"
