@@ -89,6 +89,13 @@ async def test_regex_bombs_are_400s_cached_nowhere_and_rss_stays_bounded(
         assert len(grammars) == count + 1
 
 
+async def test_a_streamed_bomb_is_a_400_too(make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy()
+    async with aiohttp.ClientSession() as session, session.post(
+            proxy.url + "/v1/chat/completions", json={**body(bomb(150)), "stream": True}) as r:
+        assert_too_complex(r.status, await r.json())
+
+
 async def test_self_reference_and_a_huge_const_are_clear_400s(make_proxy: ProxyFactory
                                                                ) -> None:
     proxy = await make_proxy(max_body_bytes=4 << 20)
