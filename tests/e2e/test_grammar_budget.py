@@ -96,6 +96,23 @@ async def test_a_streamed_bomb_is_a_400_too(make_proxy: ProxyFactory) -> None:
         assert_too_complex(r.status, await r.json())
 
 
+async def test_a_strict_tool_with_a_bomb_is_a_400_naming_tools(make_proxy: ProxyFactory
+                                                                ) -> None:
+    proxy = await make_proxy()
+    parameters = {"type": "object", "properties": {"a": bomb(151)}, "required": ["a"],
+                  "additionalProperties": False}
+    request = {"model": DEMO_MODEL_ID, "max_tokens": 8,
+               "messages": [{"role": "user", "content": "Call f."}],
+               "tools": [{"type": "function", "function": {
+                   "name": "f", "strict": True, "parameters": parameters}}]}
+    async with aiohttp.ClientSession() as session, \
+            session.post(proxy.url + "/v1/chat/completions", json=request) as resp:
+        status, answer = resp.status, await resp.json()
+    assert status == 400, answer
+    assert (answer["error"]["code"], answer["error"]["param"]) == ("schema_too_complex",
+                                                                   "tools"), answer
+
+
 async def test_self_reference_and_a_huge_const_are_clear_400s(make_proxy: ProxyFactory
                                                                ) -> None:
     proxy = await make_proxy(max_body_bytes=4 << 20)
