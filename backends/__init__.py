@@ -65,7 +65,8 @@ def open_backend(url: str, *, clock: Clock = time.time) -> Backend:
     raise ValueError(
         f"backend URL {url!r}: unknown scheme {parts.scheme!r}; expected memory://?max_bytes=N,"
         " disk:///absolute/dir?max_bytes=N, redis://host:port/db, rediss://…,"
-        " unix:///path/redis.sock, redis+cluster://host:port or tiered+<one of those>"
+        " unix:///path/redis.sock, redis+cluster://host:port, tiered+<one of those>,"
+        " or jsonl:///absolute/cassette.jsonl (a recording)"
     )
 
 

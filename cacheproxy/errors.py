@@ -57,12 +57,39 @@ class Unsupported(InvalidRequest):
     code = "unsupported_parameter"
 
 
+class SchemaTooComplex(InvalidRequest):
+    """A schema whose grammar exceeds what the engine may spend on one (its build or its
+    first use failed, or went over a budget): never cached, never a 500."""
+
+    code = "schema_too_complex"
+
+
 class Unauthorized(ProxyError):
     """Missing or wrong API key / admin token."""
 
     status = 401
     type = "invalid_request_error"
     code = "invalid_api_key"
+
+
+class Forbidden(ProxyError):
+    """A request this proxy refuses whoever sends it (a browser's, on another site's behalf)."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "forbidden"
+
+
+class CrossSiteRefused(Forbidden):
+    """A browser's request from another site (Origin, or a Content-Type no API client sends)."""
+
+    code = "cross_site_request"
+
+
+class HostNotAllowed(Forbidden):
+    """A Host header that names another machine (DNS rebinding)."""
+
+    code = "host_not_allowed"
 
 
 class ModelNotFound(ProxyError):

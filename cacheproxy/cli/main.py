@@ -47,6 +47,12 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--ttl", {"type": float, "help": "seconds an entry lives (default: no expiry)"}),
     ("--api-key", {"dest": "api_keys", "action": "append",
                    "help": "accepted client API key (repeatable; env CACHEPROXY_API_KEYS)"}),
+    ("--allowed-hosts", {"action": "append", "metavar": "NAME[,NAME]",
+                         "help": "bound to loopback without keys: Host names accepted besides "
+                                 "loopback ones, '*' any (DNS rebinding guard)"}),
+    ("--allowed-origins", {"action": "append", "metavar": "ORIGIN[,ORIGIN]",
+                           "help": "bound to loopback without keys: browser origins allowed "
+                                   "(scheme://host[:port]; '*' any); others get 403"}),
     ("--cache-scope", {"choices": ["shared", "per-key"]}),
     ("--status-access", {"choices": ["auto", "admin", "api-key", "public"],
                          "help": "who may read /metrics and /status.json"}),
@@ -70,6 +76,9 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                            "help": "seconds a namespace nobody serves waits to be superseded"}),
     ("--replay", {"action": "store_const", "const": True,
                   "help": "never generate: answer from the store or 404 not_recorded"}),
+    ("--record-key", {"metavar": "SECRET",
+                      "help": "sign the lines of a jsonl:// recording, refuse unsigned or "
+                              "mis-signed ones (env CACHEPROXY_RECORD_KEY)"}),
     ("--upstream", {"action": "append", "metavar": "[ID=]URL",
                     "help": "generate on a running mlx_lm.server instead of in-process "
                             "(repeatable: a pool; ID=URL ties it to --model-dir ID=DIR; "
@@ -132,11 +141,15 @@ def _add_store_commands(sub: Any) -> None:
     which.add_argument("--namespace", metavar="DIGEST")
     which.add_argument("--model", dest="model_id", metavar="ID", help="the model id's namespaces")
     ex.add_argument("--out", type=Path, help="a file instead of stdout")
+    ex.add_argument("--record-key", metavar="SECRET",
+                    help="sign every line (HMAC-SHA256; env CACHEPROXY_RECORD_KEY)")
     im = sub.add_parser("import", help="load entries from a JSON-lines file, verified")
     im.add_argument("file", type=Path)
     im.add_argument("--store")
     im.add_argument("--model", help="model directory the entries are for (default: the demo)")
     im.add_argument("--model-id", dest="model_id")
+    im.add_argument("--record-key", metavar="SECRET",
+                    help="refuse lines not signed with it (env CACHEPROXY_RECORD_KEY)")
     im.add_argument("--as-current", action="store_true",
                     help="key entries of another fingerprint under the serving one")
     im.add_argument("--prefill-step", type=int, help="the serving runner's prefill step")
@@ -206,7 +219,8 @@ async def _store_command(args: argparse.Namespace) -> int:
     flags = {"store": args.store, "model": getattr(args, "model", None),
              "model_id": getattr(args, "model_id", None) if args.command != "export" else None,
              "prefill_step": getattr(args, "prefill_step", None),
-             "prefix_cache_bytes": getattr(args, "prefix_cache_bytes", None)}
+             "prefix_cache_bytes": getattr(args, "prefix_cache_bytes", None),
+             "record_key": getattr(args, "record_key", None)}
     settings = build_settings(flags, os.environ)
     if args.command == "stats":
         return await store_cli.stats(settings.store, as_json=args.json)
@@ -228,11 +242,12 @@ async def _export(settings: Settings, args: argparse.Namespace) -> int:
 
     if args.out is None:
         await transfer.export(settings.store, namespace=args.namespace, model=args.model_id,
-                              out=sys.stdout.buffer)
+                              out=sys.stdout.buffer, record_key=settings.record_key.encode())
         return 0
     with args.out.open("wb") as out:
         count = await transfer.export(settings.store, namespace=args.namespace,
-                                      model=args.model_id, out=out)
+                                      model=args.model_id, out=out,
+                                      record_key=settings.record_key.encode())
     print(f"exported {count} entries to {args.out}", file=sys.stderr)
     return 0
 
@@ -247,7 +262,7 @@ async def _import(settings: Settings, args: argparse.Namespace) -> int:
                                 prefill_step=settings.prefill_step,
                                 memo=DigestMemo(Path(settings.digest_memo)))
     await transfer.import_(args.file, settings.store, current=current,
-                           as_current=args.as_current)
+                           as_current=args.as_current, record_key=settings.record_key.encode())
     return 0
 
 

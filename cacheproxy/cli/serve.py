@@ -7,6 +7,7 @@ upstream pool), the store, the invalidator and the service, and the edge's optio
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import resource
 import signal
@@ -36,6 +37,7 @@ from cacheproxy.service.proxy import CachingProxy, ServiceOptions
 
 log = structlog.get_logger("cacheproxy.serve")
 FILES_BESIDES_CONNECTIONS = 64  # store, upstream, model and log files
+BACKLOG = 1024  # connections the kernel queues before the server accepts them
 
 
 def build_app(settings: Settings, *, runner: Runner | None = None,
@@ -48,7 +50,9 @@ def build_app(settings: Settings, *, runner: Runner | None = None,
                           status_access=settings.status_readers,
                           max_in_flight=settings.max_in_flight,
                           body_timeout=settings.body_timeout,
-                          store_label=redact_url(settings.store))
+                          store_label=redact_url(settings.store),
+                          bound_host=settings.host, allowed_hosts=settings.allowed_hosts,
+                          allowed_origins=settings.allowed_origins)
     return create_app(options, partial(_parts, settings, runner, store))
 
 
@@ -91,7 +95,8 @@ async def _parts(settings: Settings, runner: Runner | None, store: Backend | Non
     """The served models, each with its own runner (lane), invalidator (watcher, lease,
     namespace) and proxy, over one store; the first is the default."""
     # A bad URL fails before the model loads.
-    the_store = store or await open_store(settings.store, replay=settings.replay)
+    the_store = store or await open_store(settings.store, replay=settings.replay,
+                                          record_key=settings.record_key.encode())
     runners = [runner] if runner is not None else build_runners(settings)
     served: list[tuple[CachingProxy, Invalidator]] = []
     started: list[Runner] = []
@@ -137,8 +142,9 @@ def serve(settings: Settings) -> int:
     from cacheproxy.observe import logs
 
     files = resource.getrlimit(resource.RLIMIT_NOFILE)  # before mlx-lm is imported
+    sock = bound_socket(settings.host, settings.port, send_buffer=settings.send_buffer)
     batched = logs.configure(fmt=settings.log_format, level=settings.log_level)
-    uvloop.run(_serve(settings, batched, files))
+    uvloop.run(_serve(settings, batched, files, sock))
     # Everything is closed (stores, lanes). The process leaves without the interpreter's
     # teardown (cli/main.py::_leave), so the atexit hook of the batched log lines never runs:
     # flush them here.
@@ -148,12 +154,30 @@ def serve(settings: Settings) -> int:
 
 
 def listening_socket(host: str, port: int, *, send_buffer: int = 0) -> socket.socket:
-    """The server's socket; with `send_buffer`, the kernel's send buffer of every connection
-    it accepts (they inherit it): what a client that does not read can make the kernel hold
-    (autotuned, up to 4 MB each on Linux; 100 unread answers held ~400 MB)."""
-    sock = socket.create_server((host, port), family=_family(host), backlog=1024)
-    if send_buffer:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    """The server's socket, listening; with `send_buffer`, the kernel's send buffer of every
+    connection it accepts (they inherit it): what a client that does not read can make the
+    kernel hold (autotuned, up to 4 MB each on Linux; 100 unread answers held ~400 MB)."""
+    sock = bound_socket(host, port, send_buffer=send_buffer)
+    sock.listen(BACKLOG)
+    return sock
+
+
+def bound_socket(host: str, port: int, *, send_buffer: int = 0) -> socket.socket:
+    """The server's socket, bound and not yet listening (connections are refused until the
+    server starts, as before a model has loaded); a taken port is a one-line ValueError."""
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if sock.family == socket.AF_INET6:  # as socket.create_server: IPv6 only
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        if send_buffer:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+        sock.bind((host, port))
+    except OSError as exc:  # one line and exit 2 (cli/main.py), before any model loads
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is in use") from None
+        raise ValueError(f"cannot listen on {host} port {port}: {exc.strerror}") from None
     return sock
 
 
@@ -182,7 +206,7 @@ def restore_file_limit(before: tuple[int, int], max_connections: int) -> None:
 
 
 async def _serve(settings: Settings, batched: BatchedLines | None,
-                 files: tuple[int, int]) -> None:
+                 files: tuple[int, int], sock: socket.socket) -> None:
     from cacheproxy.edge.aiohttp_adapter import ConnectionGuard
     from cacheproxy.observe import logs
 
@@ -200,8 +224,8 @@ async def _serve(settings: Settings, batched: BatchedLines | None,
                                 send_timeout=settings.send_timeout, counters=counters)
         guard.install()
         watcher = asyncio.create_task(guard.watch())
-    site = web.SockSite(runner, listening_socket(settings.host, settings.port,
-                                                 send_buffer=settings.send_buffer))
+    # Bound first (a taken port fails before the model loads), listening from now on.
+    site = web.SockSite(runner, sock, backlog=BACKLOG)
     await site.start()
     restore_file_limit(files, settings.max_connections)  # the runner has imported mlx-lm
     # The model, tokenizer and imports are ~100k long-lived objects: out of the collector's
@@ -229,6 +253,8 @@ def _announce(settings: Settings) -> None:
         print(f"cacheproxy: WARNING: listening on {settings.host} without API keys: anyone who "
               "can reach this address can generate and read cached answers "
               "(set --api-key or CACHEPROXY_API_KEYS)", file=sys.stderr, flush=True)
-    print(f"cacheproxy serving {settings.served_model_id} on http://{settings.host}:"
+    names = [pool.model_id for pool in settings.upstream_pools] if settings.upstream else \
+        [name for name, _ in settings.served_models]
+    print(f"cacheproxy serving {', '.join(names)} on http://{settings.host}:"
           f"{settings.port}/v1 (store {redact_url(settings.store)})", file=sys.stderr,
           flush=True)

@@ -52,6 +52,10 @@ class Settings:
     digest_memo: str = dataclasses.field(default_factory=default_digest_memo)
     ttl: float | None = None
     api_keys: tuple[str, ...] = ()
+    # Bound to loopback without keys: the Host names and browser origins accepted besides
+    # the loopback ones ("*": any); see edge/origin.py.
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
     cache_scope: str = "shared"
     admin_token: str = ""
     # Who may read /metrics and /status.json: "auto" is the admin token's holder when one is
@@ -73,6 +77,7 @@ class Settings:
     lease_ttl: float = 30.0  # a replica's lease on the namespace it serves (renewed every third)
     supersede_grace: float = 60.0  # how long after its last replica a namespace is superseded
     replay: bool = False
+    record_key: str = ""  # HMAC secret of recorded and exported lines ("": checksums only)
     upstream: tuple[str, ...] = ()  # mlx_lm.server URLs: generate there instead of in-process
     model_dir: str = ""  # with upstream: the model directory the upstreams serve
     upstream_timeout: float = 30.0

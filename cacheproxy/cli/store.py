@@ -47,9 +47,10 @@ async def stats(url: str, *, as_json: bool, out: TextIO | None = None) -> int:
         print(json.dumps(summary, indent=2), file=out)
         return 0
     spaces = "namespace" if len(rows) == 1 else "namespaces"
+    bound = "the server's own bound" if summary["max_bytes"] is None else \
+        f"bound {summary['max_bytes']}"  # (Redis: its maxmemory, which it keeps to itself)
     print(f"store {url}: {entries} entries in {len(rows)} {spaces}, {summary['bytes']} bytes "
-          f"(bound {summary['max_bytes']}); {summary['keys']} keys with the namespace registry",
-          file=out)
+          f"({bound}); {summary['keys']} keys with the namespace registry", file=out)
     print(f"{'namespace':34} {'state':11} {'replicas':>8} {'entries':>8} {'bytes':>10}  "
           "model / engine / last seen", file=out)
     for r in rows:
@@ -60,11 +61,15 @@ async def stats(url: str, *, as_json: bool, out: TextIO | None = None) -> int:
 
 
 async def inspect(url: str, key: str, *, as_json: bool, out: TextIO | None = None) -> int:
-    """One record with its provenance."""
+    """One record with its provenance; the key whole, or any unique prefix of its request
+    hash (the access log's 12-digit `key`) or of the whole key."""
     out = out or sys.stdout  # (looked up per call: a default would be the import's)
     store = await open_store(url, replay=True)  # read only
     try:
         data = await store.get(key)
+        if data is None:
+            key = await _unique(store, key)
+            data = await store.get(key)
     finally:
         await store.aclose()
     if data is None:
@@ -96,6 +101,20 @@ async def inspect(url: str, key: str, *, as_json: bool, out: TextIO | None = Non
     for call in o.tool_calls:
         print(f"tool call    {call.index}: {call.name}({call.arguments})", file=out)
     return 0
+
+
+async def _unique(store: Backend, prefix: str) -> str:
+    """The one key that `prefix` starts (`<namespace>/<hash...>`), or whose request hash it
+    starts, in any registered namespace; `prefix` itself when none does."""
+    if not prefix or prefix == REGISTRY_KEY:
+        return prefix
+    starts = [prefix] if "/" in prefix else \
+        [f"{digest}/{prefix}" for digest in await Registry(store).load()]
+    found = [key for start in starts for key in await listing.keys(store, start)]
+    if len(found) > 1:
+        raise ValueError(f"{prefix!r} starts {len(found)} keys ({', '.join(found[:3])}, ...): "
+                         "give more digits")
+    return found[0] if found else prefix
 
 
 async def purge(

@@ -29,9 +29,11 @@ async def _keys(store: Backend, prefix: str) -> list[str]:
     return [k for k in await listing.keys(store, prefix) if k != REGISTRY_KEY]
 
 
-async def export(url: str, *, namespace: str | None, model: str | None, out: BinaryIO) -> int:
-    """Write the entries of a namespace, of a model's namespaces, or of the whole store."""
-    store = await open_store(url, replay=True)
+async def export(url: str, *, namespace: str | None, model: str | None, out: BinaryIO,
+                 record_key: bytes = b"") -> int:
+    """Write the entries of a namespace, of a model's namespaces, or of the whole store
+    (each line signed with the record key, when one is given)."""
+    store = await open_store(url, replay=True, record_key=record_key)
     try:
         registry = await Registry(store).load()
         if namespace is not None:
@@ -46,25 +48,18 @@ async def export(url: str, *, namespace: str | None, model: str | None, out: Bin
                 data = await store.get(key)
                 if data is None:
                     continue  # expired or purged meanwhile
-                out.write(transcript.to_line(key, codec.decode(data)))
+                out.write(transcript.to_line(key, codec.decode(data), secret=record_key))
                 written += 1
     finally:
         await store.aclose()
     return written
 
 
-def read_lines(path: Path) -> list[tuple[str, codec.Record]]:
-    """Every (key, record) of a file; ValueError naming the first line that fails."""
-    entries = []
+def read_lines(path: Path, *, record_key: bytes = b"") -> list[tuple[str, codec.Record]]:
+    """Every (key, record) of a file, read a bounded line at a time; ValueError naming the
+    first line that fails (too long, malformed, unverified, unsigned with a record key)."""
     with path.open("rb") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                entries.append(transcript.from_line(line))
-            except transcript.BadLine as exc:
-                raise ValueError(f"{path}: line {number}: {exc}") from None
-    return entries
+        return list(transcript.read(lines, str(path), secret=record_key))
 
 
 def _as_current(number: int, key: str, record: codec.Record, current: Fingerprint
@@ -84,10 +79,10 @@ def _as_current(number: int, key: str, record: codec.Record, current: Fingerprin
 
 
 async def import_(path: Path, url: str, *, current: Fingerprint, as_current: bool,
-                  err: TextIO | None = None) -> int:
+                  err: TextIO | None = None, record_key: bytes = b"") -> int:
     """Load a file into a store; every line is checked before anything is written."""
     err = err or sys.stderr  # (looked up per call: a default would be the import's)
-    entries = read_lines(path)
+    entries = read_lines(path, record_key=record_key)
     checked = []
     for number, (key, record) in enumerate(entries, 1):
         if key.partition("/")[0] != current.digest:
@@ -97,7 +92,7 @@ async def import_(path: Path, url: str, *, current: Fingerprint, as_current: boo
                                  " pass --as-current to key it under the serving one")
             key, record = _as_current(number, key, record, current)
         checked.append((key, record))
-    store = await open_store(url)
+    store = await open_store(url, record_key=record_key)
     try:
         for key, record in checked:
             await store.set(key, codec.encode(record))

@@ -18,6 +18,7 @@ from aiohttp import web
 from cacheproxy.edge import admin, answers, info, status
 from cacheproxy.edge.aiohttp_adapter import expect_within
 from cacheproxy.edge.auth import check_admin, client_identity
+from cacheproxy.edge.origin import guarded, site_guard
 from cacheproxy.edge.render import ResponseIds
 from cacheproxy.edge.route import Handler, Limits, edge, json_response, no_route
 from cacheproxy.edge.routing import Router
@@ -142,8 +143,11 @@ def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics) ->
         ]
     allowed: dict[str, set[str]] = {}
     expect = expect_within(options.max_body_bytes, _refusal(options.max_body_bytes))
+    site = site_guard(options.bound_host, options.api_keys, hosts=options.allowed_hosts,
+                      origins=options.allowed_origins) if options.bound_host else None
     for method, path, handler, route_options in routes:
-        app.router.add_route(method, path, edge(handler, endpoint=path, **route_options),
+        app.router.add_route(method, path,
+                             edge(handler, endpoint=path, **guarded(route_options, site)),
                              expect_handler=expect)
         allowed.setdefault(path, set()).add(method)
-    app.router.add_route("*", "/{tail:.*}", edge(no_route(allowed)))
+    app.router.add_route("*", "/{tail:.*}", edge(no_route(allowed), **guarded({}, site)))

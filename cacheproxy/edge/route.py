@@ -40,6 +40,7 @@ Guard = Callable[[web.Request], object]
 Record = Callable[[FinishedRequest], None]
 
 X_REQUEST_ID = istr("X-Request-Id")
+MAX_REQUEST_ID = 128  # a client's own id, printable and at most this long, else one of ours
 _ID_PREFIX = os.urandom(6).hex()
 _ids = itertools.count()
 
@@ -85,7 +86,7 @@ def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
     async def wrapped(request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
         request_id = request.headers.get(X_REQUEST_ID, "")
-        if not request_id or not request_id.isprintable():  # a client's own id, if printable
+        if not 0 < len(request_id) <= MAX_REQUEST_ID or not request_id.isprintable():
             request_id = f"{_ID_PREFIX}{next(_ids):010x}"
         counted = False
         try:

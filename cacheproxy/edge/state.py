@@ -25,6 +25,10 @@ class EdgeOptions:
     max_in_flight: int = 1024
     body_timeout: float = 30.0  # seconds for a request body to arrive (408 past it)
     store_label: str = ""  # the store URL without credentials, for operators
+    # The browser guard (edge/origin.py) of a proxy bound to loopback without keys ("": off).
+    bound_host: str = ""
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

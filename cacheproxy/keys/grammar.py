@@ -30,12 +30,20 @@ def engine_version() -> str:
 
 
 def _checked(grammar: str, param: str) -> str:
-    from llguidance import LLMatcher
+    from llguidance import LLMatcher, LLParserLimits
 
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    quiet = LLParserLimits(verbose_errors=False)  # no parser state in a client's error
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, limits=quiet)
     if is_error:
-        raise Unsupported(f"'{param}' cannot be enforced: {messages[0]}", param=param)
+        reason = plain(messages[0])
+        raise Unsupported(f"'{param}' cannot be enforced: {reason}", param=param)
     return grammar
+
+
+def plain(message: str) -> str:
+    """An llguidance error without its markup (a quiet error ends in `<non-verbose/>`)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return " ".join(line for line in lines if not line.startswith("<"))[:300] or "refused"
 
 
 def schema_grammar(canonical: Mapping[str, Any], param: str) -> str:

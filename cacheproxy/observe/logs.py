@@ -272,6 +272,7 @@ def _route_stdlib_logging(batched: BatchedLines | None, stamp: IsoTimestamp) -> 
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(name)s %(message)s"))
+    handler.addFilter(one_line_client_errors)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)  # the access line is ours, one per request
@@ -285,6 +286,20 @@ def _route_stdlib_logging(batched: BatchedLines | None, stamp: IsoTimestamp) -> 
         return
     hf_logging.disable_default_handler()
     hf_logging.enable_propagation()
+
+
+def one_line_client_errors(record: logging.LogRecord) -> bool:
+    """A malformed request (aiohttp's parser refused it: the client's doing) is one line, its
+    error's kind and message, not a traceback per request."""
+    from aiohttp.http_exceptions import HttpProcessingError
+
+    error = record.exc_info[1] if record.exc_info else None
+    if isinstance(error, HttpProcessingError):
+        detail = " ".join(str(error.message or error).split())[:200]
+        record.msg = f"{record.getMessage()}: malformed request: {type(error).__name__}: {detail}"
+        record.args, record.exc_info, record.exc_text = None, None, None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+    return True
 
 
 def _dumps(value: Any, **_: Any) -> str:

@@ -19,45 +19,16 @@ same answer, every time.
 from __future__ import annotations
 
 import json
-from copy import copy
 from typing import Any
 
 from cacheproxy.keys.canonical import CanonicalRequest
 from cacheproxy.keys.grammar import COMPACT, answer_grammar, call_schema, enforceable
 from cacheproxy.keys.tools import dumps
+from cacheproxy.runners.grammars import Grammars, mask_of, too_complex
+
+__all__ = ["Constraint", "Grammars", "call_grammar", "constraint_for"]
 
 _SEPARATORS = {"x-guidance": COMPACT}
-
-
-class Grammars:
-    """The llguidance tokenizer of one loaded model and its compiled grammars (by text)."""
-
-    def __init__(self, tokenizer: Any, vocab_size: int, *, max_grammars: int = 256) -> None:
-        self._tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self._lltokenizer: Any = None
-        self._compiled: dict[str, Any] = {}
-        self._max = max_grammars
-
-    def matcher(self, grammar: str) -> Any:
-        """A fresh matcher of `grammar` (a copy of the one compiled for it: microseconds)."""
-        from llguidance import LLMatcher, LLTokenizer
-
-        if self._lltokenizer is None:  # as llguidance.hf.from_tokenizer builds it
-            backend = copy(self._tokenizer.backend_tokenizer)
-            backend.no_padding()
-            backend.no_truncation()
-            self._lltokenizer = LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
-                                            eos_token=sorted(self._tokenizer.eos_token_ids))
-        template = self._compiled.get(grammar)
-        if template is None:
-            template = LLMatcher(self._lltokenizer, grammar, log_level=0)
-            if template.is_error():
-                raise ValueError(f"grammar does not compile: {template.get_error()}")
-            if len(self._compiled) >= self._max:
-                self._compiled.pop(next(iter(self._compiled)))
-            self._compiled[grammar] = template
-        return template.deep_copy()
 
 
 def call_grammar(tools_schema: dict[str, Any], *, named: str | None) -> str:
@@ -107,10 +78,14 @@ class Constraint:
         self._eos = frozenset(tokenizer.eos_token_ids)
         self._state = state
         self._matcher: Any = None
+        self._grammar = ""  # the text of the grammar `_matcher` follows
+        for grammar in (answer, call):  # any grammar this may use is checked before it starts
+            if grammar is not None:
+                grammars.matcher(grammar, _param(grammar, answer))
         if state == "call" and first is not None:
-            self._matcher = grammars.matcher(first)
+            self._follow(first)
         elif state == "answer" and answer is not None:
-            self._matcher = grammars.matcher(answer)
+            self._follow(answer)
         self._forced: list[int] = []  # tokens the grammar leaves no choice about
         self._seen: list[int] = []
         self._prompt: int | None = None
@@ -128,7 +103,31 @@ class Constraint:
             return _only(logits, self._forced[0])
         if self._matcher is None:
             return logits
-        return _masked(logits, self._matcher)
+        return self._masked(logits)
+
+    def _follow(self, grammar: str) -> None:
+        self._grammar = grammar
+        self._matcher = self._grammars.matcher(grammar, _param(grammar, self._answer))
+
+    def _failed(self) -> Exception:
+        """A grammar failed in use: a 400 without parser state, and it is not kept."""
+        self._grammars.forget(self._grammar)
+        error = too_complex(self._matcher, _param(self._grammar, self._answer))
+        self._matcher = None  # (the error's traceback holds this processor)
+        return error
+
+    def _masked(self, logits: Any) -> Any:
+        """-inf where the matcher's packed bitmask has a 0 (numpy and mx.where: CPU, Metal)."""
+        import mlx.core as mx
+        import numpy as np
+
+        vocab = logits.shape[-1]
+        if self._matcher.is_error():
+            raise self._failed()
+        bitmask = mask_of(self._matcher, vocab, _param(self._grammar, self._answer))
+        allowed = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")[:, :vocab]
+        return mx.where(mx.array(allowed.astype(np.bool_)), logits,
+                        mx.array(float("-inf"), dtype=logits.dtype))
 
     def _step(self, token: int) -> None:
         self._seen.append(token)
@@ -140,8 +139,7 @@ class Constraint:
             return
         if self._matcher is not None:
             if not self._matcher.consume_token(token):
-                raise RuntimeError(f"the grammar refused token {token}: "
-                                   f"{self._matcher.get_error()}")
+                raise self._failed()
             if self._state == "call" and self._matcher.is_stopped():
                 self._matcher, self._state = None, "answer"
                 self._forced = list(self._call_end)  # the call is whole: close it
@@ -149,10 +147,11 @@ class Constraint:
         if self._state == "thought" and self._ends_with(self._think_end):
             self._state = "answer"
             if self._answer is not None:
-                self._matcher = self._grammars.matcher(self._answer)
+                self._follow(self._answer)
         elif self._state in ("thought", "answer") and self._call is not None and \
                 self._ends_with(self._call_start):  # (mlx-lm parses a call opened in a thought)
-            self._state, self._matcher = "call", self._grammars.matcher(self._call)
+            self._state = "call"
+            self._follow(self._call)
         elif self._state == "call" and self._ends_with(self._call_end):
             self._state = "answer"  # a call of a tool that is not strict has closed
 
@@ -167,17 +166,6 @@ def _only(logits: Any, token: int) -> Any:
     return mx.where(keep, logits, mx.array(float("-inf"), dtype=logits.dtype))
 
 
-def _masked(logits: Any, matcher: Any) -> Any:
-    """-inf where the matcher's packed bitmask has a 0 (numpy and mx.where: CPU and Metal)."""
-    import mlx.core as mx
-    import numpy as np
-    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
-
-    vocab = logits.shape[-1]
-    bitmask = allocate_token_bitmask(1, vocab)
-    fill_next_token_bitmask(matcher, bitmask, 0)
-    if matcher.is_error():
-        raise RuntimeError(f"the grammar failed: {matcher.get_error()}")
-    allowed = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")[:, :vocab]
-    return mx.where(mx.array(allowed.astype(np.bool_)), logits,
-                    mx.array(float("-inf"), dtype=logits.dtype))
+def _param(grammar: str, answer: str | None) -> str:
+    """The request field a grammar comes from (the answer's schema, or the tools')."""
+    return "response_format" if grammar == answer else "tools"

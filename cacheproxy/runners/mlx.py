@@ -202,6 +202,11 @@ class MlxRunner:
         return self._current().tokenizer
 
     @property
+    def grammars(self) -> Grammars:
+        """The compiled grammars of the model loaded now (their cache and its cost)."""
+        return self._current().grammars
+
+    @property
     def vocab_size(self) -> int:
         """The width of the model's logits."""
         return self._current().grammars.vocab_size

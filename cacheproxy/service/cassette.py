@@ -4,7 +4,8 @@ A memory store that is read from a JSON-lines file at start-up (the export forma
 `keys.transcript`: one verified record a line) and written back at shutdown and on
 `POST /admin/flush` (to a temporary file renamed over the old one, so a crash leaves the old
 recording whole), unless the server replays: then the file is only read. A line that does not
-verify stops the start-up, naming its line. The namespace registry is rebuilt from the
+verify stops the start-up, naming its line; with a record key, so does a line that is not
+signed with it, and every line written is signed. The namespace registry is rebuilt from the
 records' provenance; the file holds records only, sorted by key (diffs stay small).
 """
 
@@ -28,10 +29,11 @@ UNBOUNDED = 1 << 40  # a recording is never evicted
 class Cassette(MemoryBackend):
     """The memory store of a recording file."""
 
-    def __init__(self, path: Path, *, read_only: bool) -> None:
+    def __init__(self, path: Path, *, read_only: bool, record_key: bytes = b"") -> None:
         super().__init__(max_bytes=UNBOUNDED)
         self.path = path
         self.read_only = read_only
+        self._secret = record_key
         self._flushing = asyncio.Lock()
 
     def __repr__(self) -> str:
@@ -44,13 +46,7 @@ class Cassette(MemoryBackend):
         namespaces: dict[str, Namespace] = {}
         entries = 0
         with self.path.open("rb") as lines:
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    key, record = transcript.from_line(line)
-                except transcript.BadLine as exc:
-                    raise ValueError(f"{self.path}: line {number}: {exc}") from None
+            for key, record in transcript.read(lines, str(self.path), secret=self._secret):
                 await self.set(key, codec.encode(record))
                 _register(namespaces, key, record)
                 entries += 1
@@ -71,7 +67,8 @@ class Cassette(MemoryBackend):
             for key in sorted(keys):
                 data = await self.get(key)
                 if key != REGISTRY_KEY and data is not None:
-                    lines.append(transcript.to_line(key, codec.decode(data)))
+                    lines.append(transcript.to_line(key, codec.decode(data),
+                                                    secret=self._secret))
             await asyncio.to_thread(self._write, lines)
             return len(lines)
 
@@ -106,14 +103,15 @@ def _register(namespaces: dict[str, Namespace], key: str, record: codec.Record) 
                                    now, now, "current")
 
 
-async def open_store(url: str, *, replay: bool = False) -> Backend:
-    """The store a URL names: a recording (jsonl://, loaded now) or a backend's."""
+async def open_store(url: str, *, replay: bool = False, record_key: bytes = b"") -> Backend:
+    """The store a URL names: a recording (jsonl://, loaded now, its lines signed with and
+    checked against the record key if one is given) or a backend's."""
     if url.startswith("jsonl://"):
         path = Path(url.removeprefix("jsonl://"))
         if not path.is_absolute():
             raise ValueError(f"store URL {url!r}: jsonl:// takes an absolute path "
                              "(jsonl:///path/to/cassette.jsonl)")
-        cassette = Cassette(path, read_only=replay)
+        cassette = Cassette(path, read_only=replay, record_key=record_key)
         await cassette.load()
         return cassette
     return open_backend(url)
