@@ -37,6 +37,9 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                         "help": "prompt tokens per prefill chunk (in the fingerprint)"}),
     ("--prefix-cache-bytes", {"type": int,
                               "help": "bytes of KV state kept for exact prefix reuse (0: off)"}),
+    ("--decode-slots", {"type": int, "metavar": "S",
+                        "help": "generations decoded together, in a batch pinned at S rows "
+                                "(1: one at a time; in the fingerprint)"}),
     ("--device-scope", {"action": "store_const", "const": True}),
     ("--no-watch", {"dest": "watch", "action": "store_const", "const": False,
                     "help": "do not watch the model files for changes"}),
@@ -107,6 +110,7 @@ def _add_model_commands(sub: Any) -> None:
     fpr = sub.add_parser("fingerprint", help="print the pinned configuration tuple as JSON")
     fpr.add_argument("--model", help="model directory (default: the demo model)")
     fpr.add_argument("--prefill-step", type=int, help="the runner's prefill step (default 512)")
+    fpr.add_argument("--decode-slots", type=int, help="the runner's decode slots (default 1)")
 
 
 def _add_store_commands(sub: Any) -> None:
@@ -139,6 +143,7 @@ def _add_store_commands(sub: Any) -> None:
     im.add_argument("--as-current", action="store_true",
                     help="key entries of another fingerprint under the serving one")
     im.add_argument("--prefill-step", type=int, help="the serving runner's prefill step")
+    im.add_argument("--decode-slots", type=int, help="the serving runner's decode slots")
     vf = sub.add_parser("verify", help="replay stored entries and compare byte for byte")
     vf.add_argument("--store")
     vf.add_argument("--model", help="model directory or repo (default: the demo model)")
@@ -150,6 +155,7 @@ def _add_store_commands(sub: Any) -> None:
     vf.add_argument("--json", action="store_true")
     vf.add_argument("--prefill-step", type=int, help="the serving runner's prefill step")
     vf.add_argument("--prefix-cache-bytes", type=int, help="exact prefix reuse (0: off)")
+    vf.add_argument("--decode-slots", type=int, help="the serving runner's decode slots")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             code = demo_model(args.out, args.quantize, args.retrain, args.steps,
                               args.documents)
         elif args.command == "fingerprint":
-            code = fingerprint(args.model, args.prefill_step)
+            code = fingerprint(args.model, args.prefill_step, args.decode_slots)
         else:
             code = asyncio.run(_store_command(args))
     except (ValueError, FileNotFoundError, FileExistsError, UpstreamUnavailable,
@@ -193,7 +199,8 @@ async def _store_command(args: argparse.Namespace) -> int:
     flags = {"store": args.store, "model": getattr(args, "model", None),
              "model_id": getattr(args, "model_id", None) if args.command != "export" else None,
              "prefill_step": getattr(args, "prefill_step", None),
-             "prefix_cache_bytes": getattr(args, "prefix_cache_bytes", None)}
+             "prefix_cache_bytes": getattr(args, "prefix_cache_bytes", None),
+             "decode_slots": getattr(args, "decode_slots", None)}
     settings = build_settings(flags, os.environ)
     if args.command == "stats":
         return await store_cli.stats(settings.store, as_json=args.json)
@@ -232,6 +239,7 @@ async def _import(settings: Settings, args: argparse.Namespace) -> int:
     current = local_fingerprint(settings.served_model_id,
                                 resolve_model_path(settings.model_for(settings.served_model_id)),
                                 prefill_step=settings.prefill_step,
+                                decode_slots=settings.decode_slots,
                                 memo=DigestMemo(Path(settings.digest_memo)))
     await transfer.import_(args.file, settings.store, current=current,
                            as_current=args.as_current)
@@ -253,7 +261,8 @@ async def _verify(settings: Settings, args: argparse.Namespace) -> int:
                                   model_id=settings.served_model_id,
                                   digest_memo=Path(settings.digest_memo),
                                   prefill_step=settings.prefill_step,
-                                  prefix_cache_bytes=settings.prefix_cache_bytes))
+                                  prefix_cache_bytes=settings.prefix_cache_bytes,
+                                  decode_slots=settings.decode_slots))
     await runner.start()
     try:
         report = await verify(runner, settings.store, namespace=args.namespace,
@@ -289,7 +298,8 @@ def demo_model(out: Path, quantize: int | None, retrain: bool, steps: int | None
     return 0
 
 
-def fingerprint(model: str | None, prefill_step: int | None) -> int:
+def fingerprint(model: str | None, prefill_step: int | None,
+                decode_slots: int | None = None) -> int:
     """Print the pinned configuration tuple and its digest (as the in-process runner pins it)."""
     from cacheproxy.cli.settings import DEMO_MODEL_ID
     from cacheproxy.runners.demo.model import BUNDLED_MODEL
@@ -301,6 +311,7 @@ def fingerprint(model: str | None, prefill_step: int | None) -> int:
     from cacheproxy.runners.mlx import PREFILL_STEP
 
     result = local_fingerprint(model or DEMO_MODEL_ID, path,
-                               prefill_step=prefill_step or PREFILL_STEP)
+                               prefill_step=prefill_step or PREFILL_STEP,
+                               decode_slots=decode_slots or 1)
     print(json.dumps({"digest": result.digest, "fields": result.fields()}, indent=2))
     return 0

@@ -1,0 +1,66 @@
+"""`--decode-slots S` in-process, with the demo model: concurrent misses decode together in
+one pinned batch, each streams its own answer, and a repeat is a HIT."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest_asyncio
+
+from cacheproxy.cli.settings import DEMO_MODEL_ID
+from cacheproxy.runners.demo.model import BUNDLED_MODEL
+from cacheproxy.runners.mlx import MlxOptions, MlxRunner
+from tests.conftest import ProxyFactory
+
+SLOTS = 4
+QUESTIONS = ("What does the fox eat?", "Where does the owl live?", "Tell me about the bear.",
+             "What sound does the duck make?", "Is the horse big or small?",
+             "What does the rabbit eat?")
+
+
+@pytest_asyncio.fixture(scope="module")
+async def slots_runner() -> AsyncIterator[MlxRunner]:
+    r = MlxRunner(MlxOptions(model=str(BUNDLED_MODEL), model_id=DEMO_MODEL_ID,
+                             decode_slots=SLOTS))
+    await r.start()
+    yield r
+    await r.aclose()
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, question: str
+                  ) -> tuple[str, list[str]]:
+    body = {"model": DEMO_MODEL_ID, "messages": [{"role": "user", "content": question}],
+            "max_tokens": 12, "stream": True}
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        status = resp.headers["X-Cache"]
+        pieces = []
+        async for line in resp.content:
+            text = line.decode().strip()
+            if text.startswith("data: {"):
+                delta = json.loads(text.removeprefix("data: "))["choices"][0]["delta"]
+                pieces.append(delta.get("content") or delta.get("reasoning") or "")
+    return status, pieces
+
+
+async def test_concurrent_misses_decode_together_stream_and_repeat_as_hits(
+        make_proxy: ProxyFactory, slots_runner: MlxRunner) -> None:
+    proxy = await make_proxy(the_runner=slots_runner)
+    async with aiohttp.ClientSession() as session:
+        first = await asyncio.gather(*(_stream(session, proxy.url, q) for q in QUESTIONS))
+        assert [status for status, _ in first] == ["MISS"] * len(QUESTIONS)
+        assert all(len([p for p in pieces if p]) >= 2 for _, pieces in first)  # streamed
+        assert slots_runner._slots is not None and slots_runner._slots.decode_steps > 0
+        again = await asyncio.gather(*(_stream(session, proxy.url, q) for q in QUESTIONS))
+        assert [status for status, _ in again] == ["HIT"] * len(QUESTIONS)
+        assert ["".join(p) for _, p in again] == ["".join(p) for _, p in first]
+        async with session.get(proxy.url + "/health") as resp:
+            lane: dict[str, Any] = (await resp.json())["lane"]
+    assert lane["slots"] == SLOTS and lane["slots_in_use"] == 0 and lane["queued"] == 0
+    assert lane["decode_tokens_per_s"] > 0 and 0 < lane["batch_occupancy"] <= 1
+    fingerprint = slots_runner.fingerprint()
+    assert fingerprint.decode_slots == SLOTS
