@@ -157,7 +157,7 @@ class SlotLane:
                 if self._closed and not self._admitted and not self._calls:
                     return
                 call = self._calls.popleft() if self._calls and not self._admitted else None
-                jobs = self._admit() if not self._calls else []
+                jobs = self._admit() if call is None and not self._calls else []
             if call is not None:
                 self._run_call(*call)
                 continue
@@ -265,16 +265,16 @@ class SlotLane:
             self._steps.popleft()
 
     def _end(self, slot: Slot) -> None:
+        self._free(slot)  # first: whoever sees the output sees the slot free
         try:
             slot.finish()
         except Exception as exc:
             slot.generation.push(failure(exc))
-        self._free(slot)
 
     def _fail(self, slots: list[Slot], exc: Exception) -> None:
         for slot in slots:
-            slot.generation.push(failure(exc))
             self._free(slot)
+            slot.generation.push(failure(exc))
 
     def _free(self, slot: Slot) -> None:
         with self._cv:

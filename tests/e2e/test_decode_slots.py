@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,9 +13,13 @@ import aiohttp
 import pytest_asyncio
 
 from cacheproxy.cli.settings import DEMO_MODEL_ID
+from cacheproxy.keys.canonical import CanonicalRequest, parse
+from cacheproxy.keys.codec import Output
+from cacheproxy.runners.base import Generation
 from cacheproxy.runners.demo.model import BUNDLED_MODEL
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
-from tests.conftest import ProxyFactory
+from policies.sampling import SamplingMode
+from tests.conftest import ProxyFactory, eventually
 
 SLOTS = 4
 QUESTIONS = ("What does the fox eat?", "Where does the owl live?", "Tell me about the bear.",
@@ -64,3 +69,49 @@ async def test_concurrent_misses_decode_together_stream_and_repeat_as_hits(
     assert lane["decode_tokens_per_s"] > 0 and 0 < lane["batch_occupancy"] <= 1
     fingerprint = slots_runner.fingerprint()
     assert fingerprint.decode_slots == SLOTS
+
+
+def _request(runner: MlxRunner, question: str, max_tokens: int) -> CanonicalRequest:
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens}
+    return parse(body, "chat", runner.defaults(), SamplingMode.FORCE_GREEDY).request
+
+
+async def _output(generation: Generation) -> Output:
+    async for _ in generation.chunks():
+        pass
+    assert generation.output is not None
+    return generation.output
+
+
+async def test_a_cancelled_generation_frees_its_slot_and_its_neighbours_go_on(
+        slots_runner: MlxRunner) -> None:
+    neighbour = slots_runner.generate(_request(slots_runner, QUESTIONS[0], 40))
+    leaver = slots_runner.generate(_request(slots_runner, QUESTIONS[1], 200))
+    async for _ in leaver.chunks():
+        break  # its first chunk: it decodes beside the neighbour
+    leaver.cancel()
+    gone, kept = await asyncio.gather(_output(leaver), _output(neighbour))
+    assert gone.finish_reason == "cancelled" and gone.completion_tokens < 200
+    assert kept.finish_reason in ("length", "stop") and kept.completion_tokens > 0
+    assert slots_runner.lane_state()["slots_in_use"] == 0
+
+
+async def test_a_reload_waits_for_the_slots_to_drain(slots_runner: MlxRunner) -> None:
+    """The generations decoding when a reload is asked finish on the model they began with,
+    before it loads; the ones still waiting start after it (a batch never mixes models)."""
+    generations = [slots_runner.generate(_request(slots_runner, q, 30)) for q in QUESTIONS]
+    ended: dict[int, float] = {}
+
+    async def read(i: int) -> Output:
+        output = await _output(generations[i])
+        ended[i] = time.monotonic()
+        return output
+
+    readers = [asyncio.create_task(read(i)) for i in range(len(QUESTIONS))]
+    await eventually(lambda: slots_runner.lane_state()["slots_in_use"] == SLOTS)
+    await slots_runner.reload()
+    reloaded = time.monotonic()
+    outputs = await asyncio.gather(*readers)
+    assert all(ended[i] < reloaded for i in range(SLOTS))
+    assert all(ended[i] > reloaded for i in range(SLOTS, len(QUESTIONS)))
+    assert all(o.finish_reason in ("length", "stop") for o in outputs)
