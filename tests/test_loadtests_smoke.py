@@ -22,6 +22,7 @@ SMOKES = {
     "workload": ("workload.png", "| through cacheproxy |"),
     "faults": ("faults.png", "| hostile |"),
     "coherence": ("coherence.png", "| tiered+redis, l1_ttl 3600 s | 5 |"),
+    "bench_batching": ("bench_batching.png", "| proxy S=4 | 4 |"),
 }
 
 

@@ -150,8 +150,9 @@ def warm(store: PrefixStore, model: Any, cache: list[Any], ids: Sequence[int]) -
 
 
 def warming(store: PrefixStore, model: Any, cache: list[Any],
-            ids: Sequence[int]) -> Generator[None, None, tuple[int, int]]:
-    """`warm`, one chunk of the model at a time (it yields after each; its value is warm's)."""
+            ids: Sequence[int]) -> Generator[int, None, tuple[int, int]]:
+    """`warm`, one chunk of the model at a time: it yields each chunk's size before it runs
+    it (so the one that runs the last chunk ends); its value is warm's."""
     step = store.step
     aligned = (len(ids) - 1) // step * step  # generate_step keeps the last token back
     if aligned <= 0:
@@ -174,20 +175,20 @@ def prefill(model: Any, cache: list[Any], ids: Sequence[int], step: int) -> None
 
 
 def prefilling(model: Any, cache: list[Any], ids: Sequence[int],
-               step: int) -> Generator[None, None, None]:
-    """`prefill`, yielding after each chunk."""
+               step: int) -> Generator[int, None, None]:
+    """`prefill`, yielding each chunk's size before it runs it."""
     import mlx.core as mx
     from mlx_lm.generate import generation_stream
 
     for start in range(0, len(ids), step):
+        yield min(step, len(ids) - start)
         with mx.stream(generation_stream):
             model(mx.array(list(ids[start:start + step]))[None], cache=cache)
             mx.eval([c.state for c in cache])
             mx.clear_cache()
-        yield
 
 
-def drain(steps: Generator[None, None, T]) -> T:
+def drain(steps: Generator[int, None, T]) -> T:
     """Run a chunked computation to its end; its return value."""
     while True:
         try:

@@ -58,18 +58,23 @@ class Slot:
         self._count = 0
         self._finish = "length"
         self._prefill = self._prefilling()
+        self.next_chunk = 0  # prompt tokens its next prefill chunk runs
+        self._advance()  # to its first chunk (a prompt of one token has none: decoding)
 
     def prefill_chunk(self) -> None:
-        """Run the next chunk of its prefill, or mark it decoding once none is left."""
+        """Run the next chunk of its prefill; it is decoding once that was the last."""
         if self.generation.cancelled:
             self._finish, self.decoding = "cancelled", True
             return
-        try:
-            next(self._prefill)
-        except StopIteration:
-            self.decoding = True
+        self._advance()
 
-    def _prefilling(self) -> Generator[None, None, None]:
+    def _advance(self) -> None:
+        try:
+            self.next_chunk = next(self._prefill)
+        except StopIteration:
+            self.next_chunk, self.decoding = 0, True
+
+    def _prefilling(self) -> Generator[int, None, None]:
         import mlx.core as mx
         from mlx_lm.generate import generation_stream
 
@@ -81,12 +86,12 @@ class Slot:
         rest = ids[held:]
         while len(rest) > 1:  # as generate_step: whole steps, the last token kept back
             n = min(plan.step, len(rest) - 1)
+            yield n
             with mx.stream(generation_stream):
                 plan.model(mx.array(rest[:n])[None], cache=self.cache)
                 mx.eval([c.state for c in self.cache])
                 mx.clear_cache()
             rest = rest[n:]
-            yield
 
     @property
     def ended(self) -> bool:

@@ -5,8 +5,9 @@ Order of operations, one turn of the loop:
 1. run a lane call (a load, a reload) if one waits and no slot is in use; while one waits,
    nothing new is admitted, so the slots drain and a batch never mixes two models;
 2. admit waiting generations into free slots (the runner plans each: prompt, checks);
-3. run one prefill chunk of the oldest slot still prefilling (batch one, pinned step), so a
-   long prompt never stalls the others for more than a chunk;
+3. run prefill chunks (each at batch one, in the pinned step) of the slots still prefilling,
+   oldest first, up to one step's worth of prompt tokens per turn: a long prompt never stalls
+   the others for more than a chunk, and short ones all start together;
 4. one decode step of every slot past its prefill: one forward of S rows (free rows hold a
    fixed dummy token), attention per row (`rows`), each row sampled by its own slot; a
    slot that ends frees its row for the next turn.
@@ -163,7 +164,7 @@ class SlotLane:
                 continue
             for row, job in jobs:
                 self._start(row, job)
-            self._prefill_one()
+            self._prefill()
             self._decode()
 
     def _has_work(self) -> bool:
@@ -203,17 +204,20 @@ class SlotLane:
             self._rows[row] = slot
             self._admitted.append(slot)
 
-    def _prefill_one(self) -> None:
-        slot = next((s for s in self._admitted if not s.decoding), None)
-        if slot is None:
-            return
-        try:
-            slot.prefill_chunk()
-        except Exception as exc:
-            self._fail([slot], exc)
-            return
-        if slot.decoding and slot.ended:
-            self._end(slot)
+    def _prefill(self) -> None:
+        budget: int | None = None  # prompt tokens left this turn (the first chunk always runs)
+        for slot in [s for s in self._admitted if not s.decoding]:
+            while not slot.decoding and (budget is None or slot.next_chunk <= budget):
+                budget = (slot.plan.step if budget is None else budget) - slot.next_chunk
+                try:
+                    slot.prefill_chunk()
+                except Exception as exc:
+                    self._fail([slot], exc)
+                    break
+            if slot.decoding and slot.ended and slot in self._admitted:
+                self._end(slot)
+            if budget is not None and budget <= 0:
+                return
 
     def _decode(self) -> None:
         import mlx.core as mx

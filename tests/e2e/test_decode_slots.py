@@ -59,14 +59,17 @@ async def test_concurrent_misses_decode_together_stream_and_repeat_as_hits(
         first = await asyncio.gather(*(_stream(session, proxy.url, q) for q in QUESTIONS))
         assert [status for status, _ in first] == ["MISS"] * len(QUESTIONS)
         assert all(len([p for p in pieces if p]) >= 2 for _, pieces in first)  # streamed
-        assert slots_runner._slots is not None and slots_runner._slots.decode_steps > 0
         again = await asyncio.gather(*(_stream(session, proxy.url, q) for q in QUESTIONS))
         assert [status for status, _ in again] == ["HIT"] * len(QUESTIONS)
         assert ["".join(p) for _, p in again] == ["".join(p) for _, p in first]
         async with session.get(proxy.url + "/health") as resp:
             lane: dict[str, Any] = (await resp.json())["lane"]
+        async with session.get(proxy.url + "/metrics") as resp:
+            metrics = await resp.text()
     assert lane["slots"] == SLOTS and lane["slots_in_use"] == 0 and lane["queued"] == 0
     assert lane["decode_tokens_per_s"] > 0 and 0 < lane["batch_occupancy"] <= 1
+    assert f'cacheproxy_lane{{figure="slots"}} {float(SLOTS)}' in metrics
+    assert 'cacheproxy_lane{figure="batch_occupancy"}' in metrics
     fingerprint = slots_runner.fingerprint()
     assert fingerprint.decode_slots == SLOTS
 
