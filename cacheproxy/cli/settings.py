@@ -257,6 +257,9 @@ def validate(settings: Settings) -> None:
         raise ValueError("invalid value for setting 'model': two models with one id")
     if settings.upstream and not settings.model_dir:
         raise ValueError("--upstream needs --model-dir: the model directory the upstream serves")
+    if settings.upstream and settings.decode_slots != 1:
+        raise ValueError("--decode-slots is for the in-process runner; upstream mode sends one "
+                         "generation at a time to each upstream")
     if settings.model_dir and not settings.upstream:
         raise ValueError("--model-dir is for --upstream; the in-process runner takes --model")
     names = [pool.model_id for pool in settings.upstream_pools] if settings.upstream else \

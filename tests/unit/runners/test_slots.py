@@ -46,3 +46,6 @@ def test_decode_slots_comes_from_the_flag_or_the_environment_and_is_bounded() ->
     assert build_settings({"decode_slots": 4}, {"CACHEPROXY_DECODE_SLOTS": "8"}).decode_slots == 4
     with pytest.raises(ValueError, match="setting 'decode_slots'"):
         build_settings({"decode_slots": 0}, {})
+    with pytest.raises(ValueError, match="--decode-slots is for the in-process runner"):
+        build_settings({"decode_slots": 8, "upstream": ["http://127.0.0.1:1"],
+                        "model_dir": "/tmp"}, {})
