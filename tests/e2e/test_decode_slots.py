@@ -10,9 +10,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import pytest
 import pytest_asyncio
 
 from cacheproxy.cli.settings import DEMO_MODEL_ID
+from cacheproxy.errors import ContextLengthExceeded, Overloaded
 from cacheproxy.keys.canonical import CanonicalRequest, parse
 from cacheproxy.keys.codec import Output
 from cacheproxy.runners.base import Generation
@@ -118,3 +120,22 @@ async def test_a_reload_waits_for_the_slots_to_drain(slots_runner: MlxRunner) ->
     assert all(ended[i] < reloaded for i in range(SLOTS))
     assert all(ended[i] > reloaded for i in range(SLOTS, len(QUESTIONS)))
     assert all(o.finish_reason in ("length", "stop") for o in outputs)
+
+
+async def test_the_queue_bound_counts_waiting_and_decoding_generations_and_a_long_prompt_fails(
+        ) -> None:
+    runner = MlxRunner(MlxOptions(model=str(BUNDLED_MODEL), model_id=DEMO_MODEL_ID,
+                                  decode_slots=2, queue_size=3))
+    await runner.start()
+    try:
+        too_long = _request(runner, "fox " * runner.defaults().context_length, 4)
+        with pytest.raises(ContextLengthExceeded):
+            await _output(runner.generate(too_long))
+        generations = [runner.generate(_request(runner, q, 8)) for q in QUESTIONS[:3]]
+        with pytest.raises(Overloaded):
+            runner.generate(_request(runner, QUESTIONS[3], 8))
+        outputs = await asyncio.gather(*(_output(g) for g in generations))
+        assert all(o.completion_tokens > 0 for o in outputs)
+        assert runner.lane_state()["queued"] == 0
+    finally:
+        await runner.aclose()
