@@ -1,9 +1,11 @@
-"""In-process MLX runner: one worker thread owns the model; generations run one at a time.
+"""In-process MLX runner: one worker thread owns the model; generations run one at a time,
+or with `decode_slots` S > 1 up to S together in a decode batch pinned at S rows
+(`slots`, `slot`, `rows`).
 
-Every generation is the reproducible kind: batch of one, a fixed prefill step, greedy
-unless an explicit seed asks for sampling, and a prefill that is cold or continues from a
-state a cold prefill passes through (`prefix`: saved at a multiple of the prefill step, so
-the answer is bit-identical either way).
+Every generation is the reproducible kind: batch of one (or a row of the pinned batch), a
+fixed prefill step, greedy unless an explicit seed asks for sampling, and a prefill that is
+cold or continues from a state a cold prefill passes through (`prefix`: saved at a multiple
+of the prefill step, so the answer is bit-identical either way).
 """
 
 from __future__ import annotations
