@@ -11,11 +11,8 @@ of the prefill step, so the answer is bit-identical either way).
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -24,85 +21,27 @@ from cacheproxy.keys import fingerprint as fp
 from cacheproxy.keys.canonical import CanonicalRequest, RunnerDefaults
 from cacheproxy.keys.codec import Chunk, Output
 from cacheproxy.keys.digests import DigestMemo
-from cacheproxy.keys.grammar import engine_version
-from cacheproxy.runners import decoding, prefix, rows
+from cacheproxy.runners import decoding, prefix
 from cacheproxy.runners.assembler import Assembler
 from cacheproxy.runners.base import Finished, Generation, Prefill, failure
-from cacheproxy.runners.chat import (
-    ChatPrompt,
-    ChatSplit,
-    chat_prompt,
-    template_defaults,
-    thinking_kwarg,
+from cacheproxy.runners.chat import ChatPrompt, ChatSplit, chat_prompt
+from cacheproxy.runners.constrain import constraint_for
+from cacheproxy.runners.mlx_load import (
+    PREFILL_STEP,
+    PREFIX_CACHE_BYTES,
+    Loaded,
+    MlxOptions,
+    ModelChanging,
+    load_model,
+    local_fingerprint,
+    resolve_model_path,
 )
-from cacheproxy.runners.constrain import Grammars, constraint_for
 from cacheproxy.runners.slot import Slot, SlotPlan
 from cacheproxy.runners.slots import QueueNote, SlotLane
-from cacheproxy.runners.watcher import Snapshot, snapshot
+from cacheproxy.runners.watcher import Snapshot
 
-PREFILL_STEP = 512  # mlx-lm's chunk of prompt tokens per prefill step (the default setting)
-PREFIX_CACHE_BYTES = 1 << 30
-
-
-@dataclass(frozen=True, slots=True)
-class MlxOptions:
-    """Knobs of the in-process runner."""
-
-    model: str
-    model_id: str
-    queue_size: int = 64
-    default_max_tokens: int = 256
-    max_tokens_cap: int = 4096
-    device_scope: bool = False
-    digest_memo: Path | None = None
-    prefill_step: int = PREFILL_STEP  # changes answers on batch-variant runtimes: pinned
-    prefix_cache_bytes: int = PREFIX_CACHE_BYTES  # 0: every prefill cold (never changes one)
-    decode_slots: int = 1  # rows of the pinned decode batch (1: batch of one): pinned
-    # M = the rows in use instead of S: a diagnostic for the exactness test's control only
-    # (its answers depend on the neighbours); no setting reaches it.
-    unpinned_decode: bool = False
-    note_queueing: bool = False  # log when misses queue behind a one-slot lane (serve does)
-
-
-@dataclass(frozen=True, slots=True)
-class Loaded:
-    """Everything one load produced; swapped in as a whole, so a failed load changes nothing."""
-
-    model: Any
-    tokenizer: Any
-    defaults: RunnerDefaults
-    fingerprint: fp.Fingerprint
-    snapshot: Snapshot
-    grammars: Grammars
-    prefixes: prefix.PrefixStore | None  # None: off, or a cache this reuse cannot cut
-
-
-class ModelChanging(Exception):
-    """The model's files changed during a load; the watcher retries once they are stable."""
-
-
-def local_fingerprint(model_id: str, path: Path, *, device: str = "",
-                      prefill_step: int = PREFILL_STEP, decode_slots: int = 1,
-                      versions: fp.VersionSource = fp.installed_versions,
-                      memo: DigestMemo | None = None) -> fp.Fingerprint:
-    """The fingerprint the in-process runner serves a model directory under (without
-    loading it: `cacheproxy fingerprint` and `import` compute the same)."""
-    return fp.compute(model_id, path, device=device, grammar_engine=engine_version(),
-                      prefill_step=prefill_step, decode_slots=decode_slots,
-                      versions=versions, memo=memo)
-
-
-def resolve_model_path(model: str) -> Path:
-    """A local directory as is; otherwise a Hugging Face repo through mlx-lm's own download."""
-    path = Path(model).expanduser()
-    if path.exists():
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        return path
-    if model.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model directory {model} does not exist")
-    from mlx_lm.utils import _download
-
-    return Path(_download(model))
+__all__ = ["PREFILL_STEP", "PREFIX_CACHE_BYTES", "Loaded", "MlxOptions", "MlxRunner",
+           "ModelChanging", "local_fingerprint", "resolve_model_path"]
 
 
 class MlxRunner:
@@ -157,49 +96,7 @@ class MlxRunner:
         return self._load(path)
 
     def _load(self, path: Path) -> Loaded:
-        from mlx_lm import load
-
-        before = snapshot(path)
-        loaded = load(str(path))
-        model, tokenizer = loaded[0], loaded[1]
-        if self._options.decode_slots > 1:
-            rows.check(model, self._options.decode_slots)  # refuses what it cannot batch
-        config = json.loads((path / "config.json").read_text())
-        context = int(
-            config.get("max_position_embeddings")
-            or getattr(tokenizer, "model_max_length", 0)
-            or 4096
-        )
-        defaults = RunnerDefaults(
-            model_id=self._options.model_id,
-            aliases=frozenset({self._options.model, str(path)}),
-            max_tokens=min(self._options.default_max_tokens, context),
-            max_tokens_cap=self._options.max_tokens_cap,
-            context_length=context,
-            vocab_size=int(config["vocab_size"]) if "vocab_size" in config else None,
-            template_kwargs=template_defaults(tokenizer),
-            thinking_kwarg=thinking_kwarg(tokenizer),
-            tool_calling=bool(tokenizer.has_tool_calling),
-            tool_format=str(tokenizer.init_kwargs.get("tool_parser_type") or ""),
-            grammar_engine=engine_version(),
-        )
-        device = _device() if self._options.device_scope else ""
-        fingerprint = local_fingerprint(self._options.model_id, path, device=device,
-                                        prefill_step=self._options.prefill_step,
-                                        decode_slots=self._options.decode_slots,
-                                        versions=self._versions, memo=self._memo)
-        if snapshot(path) != before:
-            raise ModelChanging(f"the files of {path} changed while loading")
-        grammars = Grammars(tokenizer, int(config.get("vocab_size") or len(tokenizer.vocab)))
-        return Loaded(model, tokenizer, defaults, fingerprint, before, grammars,
-                      self._prefix_store(model))
-
-    def _prefix_store(self, model: Any) -> prefix.PrefixStore | None:
-        from mlx_lm.models.cache import make_prompt_cache
-
-        if self._options.prefix_cache_bytes <= 0 or not prefix.supports(make_prompt_cache(model)):
-            return None
-        return prefix.PrefixStore(self._options.prefill_step, self._options.prefix_cache_bytes)
+        return load_model(self._options, path, versions=self._versions, memo=self._memo)
 
     @property
     def loaded_snapshot(self) -> Snapshot:
@@ -394,11 +291,3 @@ class MlxRunner:
         if self._slots is not None:
             self._slots.close()
             await asyncio.to_thread(self._slots.join)
-
-
-def _device() -> str:
-    import platform
-
-    import mlx.core as mx
-
-    return f"{platform.system()}-{platform.machine()}-{mx.default_device()}"

@@ -190,19 +190,20 @@ class SlotLane:
             future.set_exception(exc)
 
     def _start(self, row: int, job: Job) -> None:
-        try:
-            if job.generation.cancelled:
-                return  # its client left while it waited: nothing to run
-            slot = self._plan(job.request, job.generation)
-        except Exception as exc:  # every failure reaches the waiting request
-            job.generation.push(failure(exc))
-            return
-        finally:
-            with self._cv:
-                self._starting -= 1
-        with self._cv:
-            self._rows[row] = slot
-            self._admitted.append(slot)
+        slot: Slot | None = None
+        error: Exception | None = None
+        if not job.generation.cancelled:  # (its client left while it waited: nothing to run)
+            try:
+                slot = self._plan(job.request, job.generation)
+            except Exception as exc:  # every failure reaches the waiting request
+                error = exc
+        with self._cv:  # counted in its slot, or gone, before its request hears of it
+            self._starting -= 1
+            if slot is not None:
+                self._rows[row] = slot
+                self._admitted.append(slot)
+        if error is not None:
+            job.generation.push(failure(error))
 
     def _prefill(self) -> None:
         budget: int | None = None  # prompt tokens left this turn (the first chunk always runs)
