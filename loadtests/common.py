@@ -112,12 +112,14 @@ def start_upstream(procs: Procs, work: Path, model_dir: Path, *, blas: str = "wh
 
 
 def start_proxy(procs: Procs, work: Path, *args: str, core: int | None = None,
-                port: int | None = None, log_level: str = "info") -> Server:
-    """`cacheproxy serve` with the given arguments (no model-file watching) on a free port."""
+                port: int | None = None, log_level: str = "info",
+                blas: str | None = None) -> Server:
+    """`cacheproxy serve` with the given arguments (no model-file watching) on a free port
+    (under a BLAS, as `blas_env`, when given: its in-process runner uses it)."""
     port = port or free_port()
     url = f"http://{HOST}:{port}"
-    argv = [*cacheproxy_cmd(), "serve", "--host", HOST, "--port", str(port), "--no-watch",
-            "--log-level", log_level, *args]
+    argv = [*(blas_env(blas) if blas else []), *cacheproxy_cmd(), "serve", "--host", HOST,
+            "--port", str(port), "--no-watch", "--log-level", log_level, *args]
     return procs.launch("cacheproxy", argv, url, work / f"cacheproxy-{port}.log",
                   health_probe(url), core=core)
 

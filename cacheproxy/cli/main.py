@@ -37,6 +37,9 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                         "help": "prompt tokens per prefill chunk (in the fingerprint)"}),
     ("--prefix-cache-bytes", {"type": int,
                               "help": "bytes of KV state kept for exact prefix reuse (0: off)"}),
+    ("--decode-slots", {"type": int, "metavar": "S",
+                        "help": "generations decoded together, in a batch pinned at S rows "
+                                "(1: one at a time; in the fingerprint)"}),
     ("--device-scope", {"action": "store_const", "const": True}),
     ("--no-watch", {"dest": "watch", "action": "store_const", "const": False,
                     "help": "do not watch the model files for changes"}),
@@ -117,6 +120,7 @@ def _add_model_commands(sub: Any) -> None:
     fpr = sub.add_parser("fingerprint", help="print the pinned configuration tuple as JSON")
     fpr.add_argument("--model", help="model directory (default: the demo model)")
     fpr.add_argument("--prefill-step", type=int, help="the runner's prefill step (default 512)")
+    fpr.add_argument("--decode-slots", type=int, help="the runner's decode slots (default 1)")
 
 
 def _add_store_commands(sub: Any) -> None:
@@ -153,6 +157,7 @@ def _add_store_commands(sub: Any) -> None:
     im.add_argument("--as-current", action="store_true",
                     help="key entries of another fingerprint under the serving one")
     im.add_argument("--prefill-step", type=int, help="the serving runner's prefill step")
+    im.add_argument("--decode-slots", type=int, help="the serving runner's decode slots")
     vf = sub.add_parser("verify", help="replay stored entries and compare byte for byte")
     vf.add_argument("--store")
     vf.add_argument("--model", help="model directory or repo (default: the demo model)")
@@ -164,6 +169,7 @@ def _add_store_commands(sub: Any) -> None:
     vf.add_argument("--json", action="store_true")
     vf.add_argument("--prefill-step", type=int, help="the serving runner's prefill step")
     vf.add_argument("--prefix-cache-bytes", type=int, help="exact prefix reuse (0: off)")
+    vf.add_argument("--decode-slots", type=int, help="the serving runner's decode slots")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,7 +197,7 @@ def run(argv: list[str] | None = None) -> int:
             code = demo_model(args.out, args.quantize, args.retrain, args.steps,
                               args.documents, args.batch)
         elif args.command == "fingerprint":
-            code = fingerprint(args.model, args.prefill_step)
+            code = fingerprint(args.model, args.prefill_step, args.decode_slots)
         else:
             code = asyncio.run(_store_command(args))
     except (ValueError, FileNotFoundError, FileExistsError, UpstreamUnavailable,
@@ -220,7 +226,8 @@ async def _store_command(args: argparse.Namespace) -> int:
              "model_id": getattr(args, "model_id", None) if args.command != "export" else None,
              "prefill_step": getattr(args, "prefill_step", None),
              "prefix_cache_bytes": getattr(args, "prefix_cache_bytes", None),
-             "record_key": getattr(args, "record_key", None)}
+             "record_key": getattr(args, "record_key", None),
+             "decode_slots": getattr(args, "decode_slots", None)}
     settings = build_settings(flags, os.environ)
     if args.command == "stats":
         return await store_cli.stats(settings.store, as_json=args.json)
@@ -260,6 +267,7 @@ async def _import(settings: Settings, args: argparse.Namespace) -> int:
     current = local_fingerprint(settings.served_model_id,
                                 resolve_model_path(settings.model_for(settings.served_model_id)),
                                 prefill_step=settings.prefill_step,
+                                decode_slots=settings.decode_slots,
                                 memo=DigestMemo(Path(settings.digest_memo)))
     await transfer.import_(args.file, settings.store, current=current,
                            as_current=args.as_current, record_key=settings.record_key.encode())
@@ -281,7 +289,8 @@ async def _verify(settings: Settings, args: argparse.Namespace) -> int:
                                   model_id=settings.served_model_id,
                                   digest_memo=Path(settings.digest_memo),
                                   prefill_step=settings.prefill_step,
-                                  prefix_cache_bytes=settings.prefix_cache_bytes))
+                                  prefix_cache_bytes=settings.prefix_cache_bytes,
+                                  decode_slots=settings.decode_slots))
     await runner.start()
     try:
         report = await verify(runner, settings.store, namespace=args.namespace,
@@ -319,7 +328,8 @@ def demo_model(out: Path, quantize: int | None, retrain: bool, steps: int | None
     return 0
 
 
-def fingerprint(model: str | None, prefill_step: int | None) -> int:
+def fingerprint(model: str | None, prefill_step: int | None,
+                decode_slots: int | None = None) -> int:
     """Print the pinned configuration tuple and its digest (as the in-process runner pins it)."""
     from cacheproxy.cli.settings import DEMO_MODEL_ID
     from cacheproxy.runners.demo.model import BUNDLED_MODEL
@@ -331,6 +341,7 @@ def fingerprint(model: str | None, prefill_step: int | None) -> int:
     from cacheproxy.runners.mlx import PREFILL_STEP
 
     result = local_fingerprint(model or DEMO_MODEL_ID, path,
-                               prefill_step=prefill_step or PREFILL_STEP)
+                               prefill_step=prefill_step or PREFILL_STEP,
+                               decode_slots=decode_slots or 1)
     print(json.dumps({"digest": result.digest, "fields": result.fields()}, indent=2))
     return 0

@@ -86,7 +86,8 @@ def _mlx_runner(settings: Settings, name: str, model: str) -> MlxRunner:
         queue_size=settings.queue_size, default_max_tokens=settings.default_max_tokens,
         max_tokens_cap=settings.max_tokens_cap, device_scope=settings.device_scope,
         digest_memo=Path(settings.digest_memo), prefill_step=settings.prefill_step,
-        prefix_cache_bytes=settings.prefix_cache_bytes))
+        prefix_cache_bytes=settings.prefix_cache_bytes, decode_slots=settings.decode_slots,
+        note_queueing=True))
 
 
 @asynccontextmanager

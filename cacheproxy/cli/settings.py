@@ -44,6 +44,7 @@ class Settings:
     max_answer_tokens: int = 1 << 18
     prefill_step: int = PREFILL_STEP  # in-process: pinned in the fingerprint
     prefix_cache_bytes: int = PREFIX_CACHE_BYTES  # in-process exact prefix reuse; 0 = off
+    decode_slots: int = 1  # in-process rows decoded together at a pinned shape (fingerprinted)
     device_scope: bool = False
     watch: bool = True
     watch_interval: float = 2.0
@@ -250,6 +251,7 @@ def validate(settings: Settings) -> None:
         "upstream_timeout": settings.upstream_timeout > 0,
         "prefill_step": settings.prefill_step >= 1,
         "prefix_cache_bytes": settings.prefix_cache_bytes >= 0,
+        "decode_slots": 1 <= settings.decode_slots <= 256,
     }
     if settings.status_access == "admin" and not settings.admin_token:
         raise ValueError("--status-access admin needs CACHEPROXY_ADMIN_TOKEN")
@@ -260,6 +262,9 @@ def validate(settings: Settings) -> None:
         raise ValueError("invalid value for setting 'model': two models with one id")
     if settings.upstream and not settings.model_dir:
         raise ValueError("--upstream needs --model-dir: the model directory the upstream serves")
+    if settings.upstream and settings.decode_slots != 1:
+        raise ValueError("--decode-slots is for the in-process runner; upstream mode sends one "
+                         "generation at a time to each upstream")
     if settings.model_dir and not settings.upstream:
         raise ValueError("--model-dir is for --upstream; the in-process runner takes --model")
     names = [pool.model_id for pool in settings.upstream_pools] if settings.upstream else \

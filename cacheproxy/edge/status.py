@@ -64,6 +64,9 @@ async def public_stats(request: web.Request) -> web.Response:
     return json_response(data)
 
 
+# The lane's figures /metrics shows as cacheproxy_lane{figure=...}.
+LANE_FIGURES = ("slots", "slots_in_use", "waiting", "prefilling", "decode_tokens_per_s",
+                "batch_occupancy", "queued_behind")
 # The service's counters of answers the store refused, by the reason their X-Cache shows.
 REFUSED = {"store_full": Reason.STORE_FULL.value, "store_read_only": Reason.STORE_READ_ONLY.value}
 
@@ -80,6 +83,7 @@ async def metrics(request: web.Request) -> web.Response:
               "l1_invalidations": data["store"].get("l1_invalidations"),
               "l1_tracking_restarts": data["store"].get("l1_tracking_restarts"),
               "queued": data["lane"].get("queued", 0),
+              "lane": {k: data["lane"][k] for k in LANE_FIGURES if k in data["lane"]},
               "prefix_entries": data["lane"].get("prefix_entries", 0),
               "prefix_bytes": data["lane"].get("prefix_bytes", 0),
               "invalidation": {k: v for k, v in counters.items()
@@ -129,6 +133,10 @@ async function refresh() {
   const s = await reply.json();
   const total = Object.values(s.requests).reduce((a, b) => a + b, 0);
   const set = (id, text) => { document.getElementById(id).textContent = text; };
+  const lane = l => `${l.busy ? "busy" : "idle"}, ${l.queued} queued` + (l.slots > 1
+    ? `; ${l.slots_in_use} of ${l.slots} slots, ${l.prefilling} prefilling, `
+      + `${l.decode_tokens_per_s} tokens/s, occupancy ${(100 * l.batch_occupancy).toFixed(0)} %`
+    : l.queued_behind ? `; ${l.queued_behind} misses queued behind one slot` : "");
   set("hit-rate", s.hit_rate === null ? "-" : (100 * s.hit_rate).toFixed(1) + " %");
   set("requests", total);
   set("entries", s.store.entries ?? "-");
@@ -136,7 +144,7 @@ async function refresh() {
   set("saved-tokens", s.saved_tokens);
   set("saved-s", s.saved_generation_s + " s of generation");
   set("fingerprint", s.fingerprint);
-  set("lane", `${s.lane.busy ? "busy" : "idle"}, ${s.lane.queued} queued`);
+  set("lane", lane(s.lane));
   set("generations", s.generations);
   const saved = s.lane.prefix_entries === undefined ? "prefix reuse off"
     : `${s.lane.prefix_entries} saved chunks, ${s.lane.prefix_bytes} bytes`;
@@ -150,7 +158,7 @@ async function refresh() {
   document.getElementById("models").replaceChildren(...s.models.map(m => {
     const tr = document.createElement("tr");
     tr.append(cell(m.id), cell(m.fingerprint),
-      cell(`${m.lane.busy ? "busy" : "idle"}, ${m.lane.queued} queued`),
+      cell(lane(m.lane)),
       cell(m.generations), cell(m.counters.reloads));
     return tr;
   }));

@@ -24,6 +24,9 @@ FINGERPRINT_SCHEMA = 2  # 2: content-addressed (no model name or path in the dig
 # In the provenance, not in the digest: where the files are and what they are called do not
 # produce the answer, so two proxies serving the same files share entries.
 UNDIGESTED = ("model_id", "model_path")
+# Fields added after entries were keyed, left out of the digest at the value that means
+# "as before" (so those entries keep their keys).
+DIGESTED_UNLESS = {"decode_slots": 1}
 WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf", ".bin")
 # generation_config.json can set eos_token_id, which decides where an answer ends.
 CONFIG_FILES = ("config.json", "generation_config.json")
@@ -58,12 +61,16 @@ class Fingerprint:
     # Prompt tokens per prefill chunk (in-process; 0 for an upstream, whose own setting the
     # proxy cannot see): the chunk shape changes the reductions on batch-variant runtimes.
     prefill_step: int = 0
+    # Rows of the pinned decode batch (in-process `--decode-slots`; 1: batch of one): the
+    # batch shape changes the reductions on batch-variant runtimes.
+    decode_slots: int = 1
     digest: str = field(init=False, repr=False, compare=False)
     """xxh3_128 over msgpack of the fields but UNDIGESTED; computed once (it is on every
     request's path)."""
 
     def __post_init__(self) -> None:
-        produced = {k: v for k, v in self.fields().items() if k not in UNDIGESTED}
+        produced = {k: v for k, v in self.fields().items() if k not in UNDIGESTED and
+                    (k not in DIGESTED_UNLESS or DIGESTED_UNLESS[k] != v)}
         packed = msgpack.packb([FINGERPRINT_SCHEMA, produced], use_bin_type=True)
         object.__setattr__(self, "digest", xxhash.xxh3_128_hexdigest(packed))
 
@@ -141,6 +148,7 @@ def compute(
     device: str = "",
     grammar_engine: str = "",
     prefill_step: int = 0,
+    decode_slots: int = 1,
     versions: VersionSource = installed_versions,
     memo: DigestMemo | None = None,
 ) -> Fingerprint:
@@ -167,4 +175,5 @@ def compute(
         device=device,
         grammar_engine=grammar_engine,
         prefill_step=prefill_step,
+        decode_slots=decode_slots,
     )

@@ -235,6 +235,10 @@ class Metrics:
                                  registry=r)
         self.queue_depth = Gauge("cacheproxy_lane_queue_depth",
                                  "Generations waiting for or running on the lane", registry=r)
+        # The pinned decode batch (--decode-slots), as the lane's state gives it.
+        self.lane = Gauge("cacheproxy_lane", "The generation lane: decode slots and slots in "
+                          "use, generations waiting or prefilling, decode tokens/s and batch "
+                          "occupancy (0..1) over the last 10 s", ["figure"], registry=r)
         self.prefix_entries = Gauge("cacheproxy_prefix_entries",
                                     "Saved prefix chunks (exact prefix reuse, in-process)",
                                     registry=r)
@@ -254,6 +258,8 @@ class Metrics:
             self.store_entries.set(gauges["entries"])
             self.store_bytes.set(gauges["bytes"])
         self.queue_depth.set(gauges.get("queued", 0))
+        for figure, value in gauges.get("lane", {}).items():
+            self.lane.labels(figure).set(value)
         self.prefix_entries.set(gauges.get("prefix_entries", 0))
         self.prefix_bytes.set(gauges.get("prefix_bytes", 0))
         self.l1_tracked.set(1 if gauges.get("l1") == "tracked" else 0)

@@ -1,97 +1,47 @@
-"""In-process MLX runner: one worker thread owns the model; generations run one at a time.
+"""In-process MLX runner: one worker thread owns the model; generations run one at a time,
+or with `decode_slots` S > 1 up to S together in a decode batch pinned at S rows
+(`slots`, `slot`, `rows`).
 
-Every generation is the reproducible kind: batch of one, a fixed prefill step, greedy
-unless an explicit seed asks for sampling, and a prefill that is cold or continues from a
-state a cold prefill passes through (`prefix`: saved at a multiple of the prefill step, so
-the answer is bit-identical either way).
+Every generation is the reproducible kind: batch of one (or a row of the pinned batch), a
+fixed prefill step, greedy unless an explicit seed asks for sampling, and a prefill that is
+cold or continues from a state a cold prefill passes through (`prefix`: saved at a multiple
+of the prefill step, so the answer is bit-identical either way).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from cacheproxy.errors import ContextLengthExceeded, Overloaded
 from cacheproxy.keys import fingerprint as fp
 from cacheproxy.keys.canonical import CanonicalRequest, RunnerDefaults
 from cacheproxy.keys.codec import Chunk, Output
 from cacheproxy.keys.digests import DigestMemo
-from cacheproxy.keys.grammar import engine_version
 from cacheproxy.runners import decoding, prefix
 from cacheproxy.runners.assembler import Assembler
 from cacheproxy.runners.base import Finished, Generation, Prefill, failure
-from cacheproxy.runners.chat import (
-    ChatPrompt,
-    ChatSplit,
-    chat_prompt,
-    template_defaults,
-    thinking_kwarg,
-)
+from cacheproxy.runners.chat import ChatPrompt, ChatSplit, chat_prompt
 from cacheproxy.runners.constrain import Grammars, constraint_for
-from cacheproxy.runners.watcher import Snapshot, snapshot
+from cacheproxy.runners.mlx_load import (
+    PREFILL_STEP,
+    PREFIX_CACHE_BYTES,
+    Loaded,
+    MlxOptions,
+    ModelChanging,
+    load_model,
+    local_fingerprint,
+    resolve_model_path,
+)
+from cacheproxy.runners.slot import Slot, SlotPlan
+from cacheproxy.runners.slots import QueueNote, SlotLane
+from cacheproxy.runners.watcher import Snapshot
 
-PREFILL_STEP = 512  # mlx-lm's chunk of prompt tokens per prefill step (the default setting)
-PREFIX_CACHE_BYTES = 1 << 30
-
-
-@dataclass(frozen=True, slots=True)
-class MlxOptions:
-    """Knobs of the in-process runner."""
-
-    model: str
-    model_id: str
-    queue_size: int = 64
-    default_max_tokens: int = 256
-    max_tokens_cap: int = 4096
-    device_scope: bool = False
-    digest_memo: Path | None = None
-    prefill_step: int = PREFILL_STEP  # changes answers on batch-variant runtimes: pinned
-    prefix_cache_bytes: int = PREFIX_CACHE_BYTES  # 0: every prefill cold (never changes one)
-
-
-@dataclass(frozen=True, slots=True)
-class Loaded:
-    """Everything one load produced; swapped in as a whole, so a failed load changes nothing."""
-
-    model: Any
-    tokenizer: Any
-    defaults: RunnerDefaults
-    fingerprint: fp.Fingerprint
-    snapshot: Snapshot
-    grammars: Grammars
-    prefixes: prefix.PrefixStore | None  # None: off, or a cache this reuse cannot cut
-
-
-class ModelChanging(Exception):
-    """The model's files changed during a load; the watcher retries once they are stable."""
-
-
-def local_fingerprint(model_id: str, path: Path, *, device: str = "",
-                      prefill_step: int = PREFILL_STEP,
-                      versions: fp.VersionSource = fp.installed_versions,
-                      memo: DigestMemo | None = None) -> fp.Fingerprint:
-    """The fingerprint the in-process runner serves a model directory under (without
-    loading it: `cacheproxy fingerprint` and `import` compute the same)."""
-    return fp.compute(model_id, path, device=device, grammar_engine=engine_version(),
-                      prefill_step=prefill_step, versions=versions, memo=memo)
-
-
-def resolve_model_path(model: str) -> Path:
-    """A local directory as is; otherwise a Hugging Face repo through mlx-lm's own download."""
-    path = Path(model).expanduser()
-    if path.exists():
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        return path
-    if model.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model directory {model} does not exist")
-    from mlx_lm.utils import _download
-
-    return Path(_download(model))
+__all__ = ["PREFILL_STEP", "PREFIX_CACHE_BYTES", "Loaded", "MlxOptions", "MlxRunner",
+           "ModelChanging", "local_fingerprint", "resolve_model_path"]
 
 
 class MlxRunner:
@@ -104,6 +54,8 @@ class MlxRunner:
         self._versions = versions
         self._memo = DigestMemo(options.digest_memo)
         self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-lane")
+        self._slots: SlotLane | None = None  # the lane of --decode-slots S > 1
+        self._queue_note = QueueNote(options.model_id)
         self._queued = 0
         self._busy = False
         self._loaded: Loaded | None = None
@@ -114,8 +66,10 @@ class MlxRunner:
     async def start(self) -> None:
         """Load the model on the lane thread and fingerprint its files."""
         self.model_dir = resolve_model_path(self._options.model)
-        loop = asyncio.get_running_loop()
-        self._loaded = await loop.run_in_executor(self._lane, self._load, self.model_dir)
+        if self._options.decode_slots > 1:
+            self._slots = SlotLane(self._options.decode_slots, self._plan,
+                                   pinned=not self._options.unpinned_decode)
+        self._loaded = await self._on_lane(self._load, self.model_dir)
 
     async def reload(self) -> fp.Fingerprint:
         """Load the model files again, after the generation in progress (same lane).
@@ -124,10 +78,15 @@ class MlxRunner:
         """
         if self.model_dir is None:
             raise RuntimeError("runner not started")
-        loop = asyncio.get_running_loop()
-        self._loaded = await loop.run_in_executor(self._lane, self._reload, self.model_dir)
+        # (With slots, once they drain: a batch never mixes two models.)
+        self._loaded = await self._on_lane(self._reload, self.model_dir)
         self.reloads += 1
         return self._loaded.fingerprint
+
+    async def _on_lane(self, fn: Callable[[Path], Loaded], path: Path) -> Loaded:
+        if self._slots is not None:
+            return cast(Loaded, await asyncio.wrap_future(self._slots.call(lambda: fn(path))))
+        return await asyncio.get_running_loop().run_in_executor(self._lane, fn, path)
 
     def _reload(self, path: Path) -> Loaded:
         # The saved prefix states belong to the model being replaced: freed before the new
@@ -137,46 +96,7 @@ class MlxRunner:
         return self._load(path)
 
     def _load(self, path: Path) -> Loaded:
-        from mlx_lm import load
-
-        before = snapshot(path)
-        loaded = load(str(path))
-        model, tokenizer = loaded[0], loaded[1]
-        config = json.loads((path / "config.json").read_text())
-        context = int(
-            config.get("max_position_embeddings")
-            or getattr(tokenizer, "model_max_length", 0)
-            or 4096
-        )
-        defaults = RunnerDefaults(
-            model_id=self._options.model_id,
-            aliases=frozenset({self._options.model, str(path)}),
-            max_tokens=min(self._options.default_max_tokens, context),
-            max_tokens_cap=self._options.max_tokens_cap,
-            context_length=context,
-            vocab_size=int(config["vocab_size"]) if "vocab_size" in config else None,
-            template_kwargs=template_defaults(tokenizer),
-            thinking_kwarg=thinking_kwarg(tokenizer),
-            tool_calling=bool(tokenizer.has_tool_calling),
-            tool_format=str(tokenizer.init_kwargs.get("tool_parser_type") or ""),
-            grammar_engine=engine_version(),
-        )
-        device = _device() if self._options.device_scope else ""
-        fingerprint = local_fingerprint(self._options.model_id, path, device=device,
-                                        prefill_step=self._options.prefill_step,
-                                        versions=self._versions, memo=self._memo)
-        if snapshot(path) != before:
-            raise ModelChanging(f"the files of {path} changed while loading")
-        grammars = Grammars(tokenizer, int(config.get("vocab_size") or len(tokenizer.vocab)))
-        return Loaded(model, tokenizer, defaults, fingerprint, before, grammars,
-                      self._prefix_store(model))
-
-    def _prefix_store(self, model: Any) -> prefix.PrefixStore | None:
-        from mlx_lm.models.cache import make_prompt_cache
-
-        if self._options.prefix_cache_bytes <= 0 or not prefix.supports(make_prompt_cache(model)):
-            return None
-        return prefix.PrefixStore(self._options.prefill_step, self._options.prefix_cache_bytes)
+        return load_model(self._options, path, versions=self._versions, memo=self._memo)
 
     @property
     def loaded_snapshot(self) -> Snapshot:
@@ -211,9 +131,18 @@ class MlxRunner:
         """The width of the model's logits."""
         return self._current().grammars.vocab_size
 
-    def lane_state(self) -> dict[str, int]:
-        """Queued jobs, whether one is generating, and the prefix store's figures."""
-        state = {"queued": self._queued, "busy": int(self._busy), "lanes": 1}
+    def lane_state(self) -> dict[str, float | int]:
+        """Queued jobs, whether one is generating, the slots' figures (with S > 1) and the
+        prefix store's."""
+        state: dict[str, float | int] = {"queued": self._queued, "busy": int(self._busy),
+                                         "lanes": 1}
+        if self._slots is not None:
+            slots = self._slots.state()
+            state.update(slots, queued=self._slots.outstanding,
+                         busy=int(slots["slots_in_use"] > 0))
+        else:
+            state.update(slots=1, slots_in_use=int(self._busy),
+                         queued_behind=self._queue_note.queued_behind)
         prefixes = self._loaded.prefixes if self._loaded is not None else None
         if prefixes is not None:
             state.update(prefixes.state())
@@ -221,9 +150,15 @@ class MlxRunner:
 
     def generate(self, request: CanonicalRequest) -> Generation:
         """Queue a generation on the lane; 503 when the queue is full."""
-        if self._queued >= self._options.queue_size:
+        queued = self._queued if self._slots is None else self._slots.outstanding
+        if queued >= self._options.queue_size:
             raise Overloaded("the generation queue is full, retry later", retry_after=1.0)
         generation = Generation()
+        if self._slots is not None:
+            self._slots.submit(request, generation)
+            return generation
+        if queued and self._options.note_queueing:
+            self._queue_note.behind(queued)
         self._queued += 1
         future = asyncio.get_running_loop().run_in_executor(
             self._lane, self._run, request, generation
@@ -253,8 +188,9 @@ class MlxRunner:
         ids = list(tok.encode(request.prompt, add_special_tokens=True))
         return ChatPrompt(ids), Assembler(request.stop)
 
-    def _generate(self, request: CanonicalRequest, generation: Generation) -> Output:
-        loaded = self._current()  # fixed for this generation: a reload waits for the lane
+    def _checked(self, loaded: Loaded, request: CanonicalRequest,
+                 generation: Generation) -> tuple[ChatPrompt, Assembler, int]:
+        """The prompt, its assembler and its max tokens, once the context is checked."""
         generation.produced_by = loaded.fingerprint.digest
         prompt, assembler = self._prompt(loaded.tokenizer, request)
         context = loaded.defaults.context_length
@@ -263,11 +199,34 @@ class MlxRunner:
                 f"the prompt is {len(prompt.ids)} tokens; this model's context is {context} "
                 "tokens", param="messages" if request.endpoint == "chat" else "prompt")
         self.generations += 1
-        steps = self._steps(loaded, request, prompt, generation,
-                            min(request.max_tokens, context - len(prompt.ids)))
+        return prompt, assembler, min(request.max_tokens, context - len(prompt.ids))
+
+    def _generate(self, request: CanonicalRequest, generation: Generation) -> Output:
+        loaded = self._current()  # fixed for this generation: a reload waits for the lane
+        prompt, assembler, max_tokens = self._checked(loaded, request, generation)
+        steps = self._steps(loaded, request, prompt, generation, max_tokens)
         chunks, finish, count = self._decode(loaded.tokenizer, request, steps, assembler,
                                              generation)
         return Output(tuple(chunks), finish, len(prompt.ids), count)
+
+    def _plan(self, request: CanonicalRequest, generation: Generation) -> Slot:
+        """A generation's slot in the pinned batch (on the lane thread, as it is admitted)."""
+        loaded = self._current()  # fixed while it decodes: a reload waits for the slots
+        prompt, assembler, max_tokens = self._checked(loaded, request, generation)
+        return Slot(SlotPlan(
+            model=loaded.model, tokenizer=loaded.tokenizer, request=request,
+            generation=generation, ids=list(prompt.ids), assembler=assembler,
+            processors=self._processors(loaded, request, prompt, decoding.processors(request)),
+            max_tokens=max_tokens, step=self._options.prefill_step, prefixes=loaded.prefixes))
+
+    def _processors(self, loaded: Loaded, request: CanonicalRequest, prompt: ChatPrompt,
+                    processors: list[Any]) -> list[Any]:
+        """A request's logits processors, its grammar's constraint last (if any)."""
+        constraint = constraint_for(loaded.grammars, loaded.tokenizer, request, prompt.opening,
+                                    prompt.initial_state) if request.endpoint == "chat" else None
+        if constraint is not None:
+            processors = [*processors, constraint]  # last: nothing reopens a masked token
+        return processors
 
     def _steps(self, loaded: Loaded, request: CanonicalRequest, prompt: ChatPrompt,
                generation: Generation, max_tokens: int) -> Any:
@@ -276,10 +235,7 @@ class MlxRunner:
         from mlx_lm.models.cache import make_prompt_cache
 
         sampler, processors = decoding.sampling(request)
-        constraint = constraint_for(loaded.grammars, loaded.tokenizer, request, prompt.opening,
-                                    prompt.initial_state) if request.endpoint == "chat" else None
-        if constraint is not None:
-            processors = [*processors, constraint]  # last: nothing reopens a masked token
+        processors = self._processors(loaded, request, prompt, processors)
         ids, cache, reused, held = prompt.ids, make_prompt_cache(loaded.model), 0, 0
         if loaded.prefixes is not None:
             # The cache brought to where a cold prefill of this prompt passes a multiple of
@@ -337,11 +293,6 @@ class MlxRunner:
         """
         self._lane.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self._lane.shutdown, wait=True)
-
-
-def _device() -> str:
-    import platform
-
-    import mlx.core as mx
-
-    return f"{platform.system()}-{platform.machine()}-{mx.default_device()}"
+        if self._slots is not None:
+            self._slots.close()
+            await asyncio.to_thread(self._slots.join)

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import xxhash
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -144,6 +146,13 @@ def warm(store: PrefixStore, model: Any, cache: list[Any], ids: Sequence[int]) -
     """Bring ``cache`` (fresh) to the largest multiple of the step a cold prefill of ``ids``
     passes through, from the longest saved prefix; save the chunks reached. Returns (tokens
     taken from saved chunks, tokens the cache now holds)."""
+    return drain(warming(store, model, cache, ids))
+
+
+def warming(store: PrefixStore, model: Any, cache: list[Any],
+            ids: Sequence[int]) -> Generator[int, None, tuple[int, int]]:
+    """`warm`, one chunk of the model at a time: it yields each chunk's size before it runs
+    it (so the one that runs the last chunk ends); its value is warm's."""
     step = store.step
     aligned = (len(ids) - 1) // step * step  # generate_step keeps the last token back
     if aligned <= 0:
@@ -153,23 +162,39 @@ def warm(store: PrefixStore, model: Any, cache: list[Any], ids: Sequence[int]) -
     reused = len(found) * step
     if found:
         _restore(cache, found, step)
-    prefill(model, cache, ids[reused:aligned], step)
+    yield from prefilling(model, cache, ids[reused:aligned], step)
     if aligned > reused:
         store.put(ids, chain, [(c.keys, c.values) for c in cache])
     return reused, aligned
 
 
 def prefill(model: Any, cache: list[Any], ids: Sequence[int], step: int) -> None:
-    """Whole chunks of ``step`` tokens through the model, exactly as ``generate_step``'s
+    """Chunks of ``step`` tokens through the model, exactly as ``generate_step``'s
     prefill runs them (same stream, an evaluation and a buffer release after each)."""
+    drain(prefilling(model, cache, ids, step))
+
+
+def prefilling(model: Any, cache: list[Any], ids: Sequence[int],
+               step: int) -> Generator[int, None, None]:
+    """`prefill`, yielding each chunk's size before it runs it."""
     import mlx.core as mx
     from mlx_lm.generate import generation_stream
 
-    with mx.stream(generation_stream):
-        for start in range(0, len(ids), step):
+    for start in range(0, len(ids), step):
+        yield min(step, len(ids) - start)
+        with mx.stream(generation_stream):
             model(mx.array(list(ids[start:start + step]))[None], cache=cache)
             mx.eval([c.state for c in cache])
             mx.clear_cache()
+
+
+def drain(steps: Generator[int, None, T]) -> T:
+    """Run a chunked computation to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return cast(T, done.value)
 
 
 def with_history(processors: list[Any], prefix: Sequence[int]) -> list[Any]:

@@ -109,13 +109,18 @@ class Filler:
             "created_at": self._clock(),
             "generation_ms": round(ms, 3),
             "proxy_version": __version__,
-            "lane": "batch-of-one, cold prefill",
+            "lane": f"{_batch(fp.decode_slots)}, cold prefill",
         }
         if (prefill := flight.prefill) is not None and prefill.reused:
             # Bit-identical to cold: continued from a state saved at a multiple of the step.
-            provenance["lane"] = "batch-of-one, aligned prefill"
+            provenance["lane"] = f"{_batch(fp.decode_slots)}, aligned prefill"
             provenance["prefill"] = {"reused": prefill.reused, "total": prefill.total}
         return codec.Record(request=request.wire(), output=output, provenance=provenance)
+
+
+def _batch(slots: int) -> str:
+    """How the answer was decoded: alone, or in a batch pinned at `slots` rows."""
+    return "batch-of-one" if slots == 1 else f"pinned batch of {slots}"
 
 
 def replay(flight: Flight, record: codec.Record) -> None:

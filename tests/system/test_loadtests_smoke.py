@@ -29,6 +29,7 @@ SMOKES = {
     "workload": (("--smoke",), "workload.png", "| through cacheproxy |"),
     "faults": (("--smoke", "--only", "hostile,soak"), "faults.png", "| hostile |"),
     "coherence": (("--smoke",), "coherence.png", "| tiered+redis, l1_ttl 3600 s | 5 |"),
+    "bench_batching": (("--smoke",), "bench_batching.png", "| proxy S=4 | 4 |"),
 }
 
 

@@ -1,0 +1,152 @@
+"""Attention per row: the seam that lets S generations decode in one forward pass while
+every row's bits stay those of its own generation.
+
+A decode step runs the model once on an (S, 1) batch. Everything but attention works on
+rows independently (projections, norms, MLP, RoPE with per-row offsets); at a pinned S a
+row's bits then never depend on what the other rows hold (measured on batch-variant BLAS:
+/work/shared/experiments). Attention is the one op that mixes a row with its own history,
+and its histories differ in length, so it runs per row: row i's query against the keys and
+values of row i's own KV cache, exactly the op a lone decode runs. No padding, no mask.
+
+The seam is mlx-lm's own: every model module calls ``scaled_dot_product_attention`` (from
+``mlx_lm.models.base``) with the layer's cache object, and takes RoPE offsets from
+``cache.offset``. A `RowsCache` is that cache object for one layer of the batch, and
+`install` makes the module's ``scaled_dot_product_attention`` hand a `RowsCache` to its
+per-row attention (any other cache goes to mlx-lm's function unchanged). `check` refuses a
+model that does not go through this seam in every layer: never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+SETTING = "decode_slots"
+SDPA = "scaled_dot_product_attention"  # the name each mlx-lm model module imports
+
+
+class UnsupportedModel(ValueError):
+    """A model whose decoding the pinned batch cannot run per row (names the setting)."""
+
+
+class RowsCache:
+    """One layer's cache for a decode step of S rows: row i writes into ``rows[i]`` (a
+    slot's own mlx-lm KVCache of this layer), None for a free row (its values are dropped)."""
+
+    def __init__(self, rows: Sequence[Any]) -> None:
+        import mlx.core as mx
+
+        self.rows = list(rows)
+        # Per-row RoPE offsets, as mlx-lm's BatchKVCache gives them (read before the update).
+        self.offset = mx.array([0 if c is None else c.offset for c in self.rows], mx.int32)
+        self._fetched: list[tuple[Any, Any] | None] = []
+        self.attended = 0  # per-row attentions run through this layer (`check` counts them)
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        """Write each row's new keys and values into its slot's cache; the attention of this
+        layer reads them back per row (what is returned is only passed on to it)."""
+        self._fetched = [None if c is None else c.update_and_fetch(keys[i:i + 1], values[i:i + 1])
+                         for i, c in enumerate(self.rows)]
+        return keys, values
+
+    def make_mask(self, n: int, return_array: bool = False,
+                  window_size: int | None = None) -> None:
+        """No mask: one new token per row, attending to its whole own history."""
+        if n != 1:
+            raise UnsupportedModel("a pinned decode step takes one token per row")
+
+    def attend(self, queries: Any, scale: float, sinks: Any) -> Any:
+        """Attention of each row at its own length; zeros for a free row."""
+        import mlx.core as mx
+
+        self.attended += 1
+        _, heads, length, _ = queries.shape
+        out = []
+        for i, kv in enumerate(self._fetched):
+            if kv is None:
+                out.append(mx.zeros((1, heads, length, kv_dim(self._fetched)), queries.dtype))
+                continue
+            keys, values = kv
+            extra = {} if sinks is None else {"sinks": sinks}
+            out.append(mx.fast.scaled_dot_product_attention(
+                mx.contiguous(queries[i:i + 1]), keys, values, scale=scale, mask=None, **extra))
+        return mx.concatenate(out, axis=0)
+
+
+def kv_dim(fetched: Sequence[tuple[Any, Any] | None]) -> int:
+    """The value head size of the rows in use (a free row's output has its shape)."""
+    return int(next(kv[1].shape[-1] for kv in fetched if kv is not None))
+
+
+def attention(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
+              sinks: Any = None) -> Any:
+    """mlx-lm's ``scaled_dot_product_attention``, per row for a `RowsCache`."""
+    if isinstance(cache, RowsCache):
+        return cache.attend(queries, scale, sinks)
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale,
+                                        mask=mask, sinks=sinks)
+
+
+def install(model: Any) -> int:
+    """Route the attention of every module of ``model`` that uses mlx-lm's function through
+    `attention`; returns how many modules do. Idempotent, and a no-op for other caches."""
+    from mlx_lm.models import base
+
+    modules = {sys.modules[type(m).__module__] for m in model.modules()
+               if type(m).__module__ in sys.modules}
+    routed = 0
+    for module in modules:
+        if getattr(module, SDPA, None) is base.scaled_dot_product_attention:
+            setattr(module, SDPA, attention)
+        if getattr(module, SDPA, None) is attention:
+            routed += 1
+    return routed
+
+
+def check(model: Any, slots: int) -> None:
+    """Refuse (`UnsupportedModel`, naming the setting) a model whose every layer does not
+    decode through `RowsCache` and per-row attention, or whose rows do not come out as a
+    lone decode's (to rounding): two rows of other lengths, one step each way."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    if not cache or not all(type(c) is KVCache for c in cache):
+        kinds = sorted({type(c).__name__ for c in cache})
+        raise UnsupportedModel(f"invalid value for setting '{SETTING}': {slots}: this model's "
+                               f"cache ({', '.join(kinds)}) is not mlx-lm's plain KVCache; "
+                               "serve it with --decode-slots 1")
+    install(model)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [7, 3, 5]]
+    caches, lone = [], []
+    for ids in prompts:
+        row_cache = make_prompt_cache(model)
+        model(mx.array(ids[:-1])[None], cache=row_cache)
+        solo = make_prompt_cache(model)
+        for mine, theirs in zip(solo, row_cache, strict=True):
+            mine.state = (mx.array(theirs.keys), mx.array(theirs.values), theirs.offset)
+        lone.append(model(mx.array(ids[-1:])[None], cache=solo)[0, -1])
+        caches.append(row_cache)
+    rows = [*caches, *([None] * (max(slots, 2) - 2))]
+    layers = [RowsCache([c if c is None else c[n] for c in rows]) for n in range(len(cache))]
+    inputs = mx.array([[p[-1]] for p in prompts] + [[0]] * (len(rows) - 2))
+    try:
+        logits = model(inputs, cache=layers)[:, -1]
+    except Exception as exc:  # an architecture that reads its cache otherwise
+        raise UnsupportedModel(f"invalid value for setting '{SETTING}': {slots}: this model "
+                               f"cannot decode in a pinned batch ({type(exc).__name__}: "
+                               f"{exc}); serve it with --decode-slots 1") from exc
+    if any(layer.attended != 1 for layer in layers):
+        raise UnsupportedModel(f"invalid value for setting '{SETTING}': {slots}: this model's "
+                               "attention does not go through mlx-lm's "
+                               "scaled_dot_product_attention in every layer; serve it with "
+                               "--decode-slots 1")
+    for i, alone in enumerate(lone):
+        bound = 1e-2 * (1.0 + float(mx.abs(alone).max().tolist()))  # type: ignore[arg-type]
+        if not mx.allclose(logits[i], alone, rtol=1e-2, atol=bound).item():
+            raise UnsupportedModel(f"invalid value for setting '{SETTING}': {slots}: this "
+                                   "model's rows decode otherwise in a batch than alone; "
+                                   "serve it with --decode-slots 1")

@@ -1,0 +1,151 @@
+"""One generation in a slot of the pinned batch: exactly what a lone generation does.
+
+Its prefill runs at batch one in the pinned prefill step, one chunk per call (cold, or from
+a saved prefix as `prefix.warm` brings it), in the chunks ``generate_step`` would use, and
+keeps the last prompt token for the first decode step. Then each decode step hands it its
+row of the batch's logits: its own logits processors (penalties, logit bias, the grammar)
+see its own token history, its own sampler draws from its own key, its own detokenizer and
+assembler turn the token into chunks. Nothing of it is shared with another slot but the
+model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+from cacheproxy.keys.canonical import CanonicalRequest
+from cacheproxy.keys.codec import Chunk, Output
+from cacheproxy.runners import decoding, prefix
+from cacheproxy.runners.assembler import Assembler
+from cacheproxy.runners.base import Finished, Generation, Prefill
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlotPlan:
+    """What the runner prepared for one generation (see `MlxRunner._plan`)."""
+
+    model: Any
+    tokenizer: Any
+    request: CanonicalRequest
+    generation: Generation
+    ids: list[int]
+    assembler: Assembler
+    processors: list[Any]
+    max_tokens: int
+    step: int  # the pinned prefill step
+    prefixes: prefix.PrefixStore | None
+
+
+class Slot:
+    """A generation's state between decode steps (used on the lane thread only)."""
+
+    def __init__(self, plan: SlotPlan) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.plan = plan
+        self.generation = plan.generation
+        self.cache: list[Any] = make_prompt_cache(plan.model)
+        self.decoding = False  # its prefill is done: it takes a row in the decode steps
+        self.next_input = plan.ids[-1]  # the token its row feeds the next decode step
+        self._sampler = decoding.KeyedSampler(plan.request)
+        self._history = list(plan.ids)  # what the logits processors see (prompt + sampled)
+        self._detok = plan.tokenizer.detokenizer  # a copy of its own (mlx-lm copies per use)
+        self._detok.reset()
+        self._eos = plan.tokenizer.eos_token_ids
+        self._chunks: list[Chunk] = []
+        self._count = 0
+        self._finish = "length"
+        self._prefill = self._prefilling()
+        self.next_chunk = 0  # prompt tokens its next prefill chunk runs
+        self._advance()  # to its first chunk (a prompt of one token has none: decoding)
+
+    def prefill_chunk(self) -> None:
+        """Run the next chunk of its prefill; it is decoding once that was the last."""
+        if self.generation.cancelled:
+            self._finish, self.decoding = "cancelled", True
+            return
+        self._advance()
+
+    def _advance(self) -> None:
+        try:
+            self.next_chunk = next(self._prefill)
+        except StopIteration:
+            self.next_chunk, self.decoding = 0, True
+
+    def _prefilling(self) -> Generator[int, None, None]:
+        import mlx.core as mx
+        from mlx_lm.generate import generation_stream
+
+        plan, ids = self.plan, self.plan.ids
+        reused = held = 0
+        if plan.prefixes is not None:
+            reused, held = yield from prefix.warming(plan.prefixes, plan.model, self.cache, ids)
+        self.generation.push(Prefill(reused, len(ids)))
+        rest = ids[held:]
+        while len(rest) > 1:  # as generate_step: whole steps, the last token kept back
+            n = min(plan.step, len(rest) - 1)
+            yield n
+            with mx.stream(generation_stream):
+                plan.model(mx.array(rest[:n])[None], cache=self.cache)
+                mx.eval([c.state for c in self.cache])
+                mx.clear_cache()
+            rest = rest[n:]
+
+    @property
+    def ended(self) -> bool:
+        """Whether it is over before its next decode step (cancelled, or nothing to make)."""
+        return self._finish == "cancelled" or self.plan.max_tokens <= 0
+
+    def sample(self, logits: Any) -> tuple[Any, Any]:
+        """Its next token and the log-probabilities it was drawn from, from its (1, V) row
+        of a decode step's logits (lazy: the lane evaluates every row's at once)."""
+        import mlx.core as mx
+
+        if self.plan.processors:
+            history = mx.array(self._history)
+            for processor in self.plan.processors:
+                logits = processor(history, logits)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return self._sampler(logprobs), logprobs.squeeze(0)
+
+    def take(self, token: int, logprobs: Any) -> bool:
+        """Add a sampled token (as the lone runner's decode loop does); True once it ended."""
+        plan = self.plan
+        if self.generation.cancelled:
+            self._finish = "cancelled"
+            return True
+        if token in self._eos:
+            self._finish = "stop"
+            return True
+        self._count += 1
+        self._detok.add_token(token)
+        request = plan.request
+        lp = decoding.logprob(plan.tokenizer, token, logprobs, request.top_logprobs) \
+            if request.logprobs else None
+        self._publish(plan.assembler.add(token, self._detok.last_segment, lp))
+        if plan.assembler.stopped:
+            self._finish = "stop"
+            return True
+        if self._count >= plan.max_tokens:
+            return True  # "length"
+        self._history.append(token)
+        self.next_input = token
+        return False
+
+    def finish(self) -> None:
+        """Flush the assembler and deliver the output."""
+        self._detok.finalize()
+        self._publish(self.plan.assembler.finish(self._detok.last_segment,
+                                                 eos=self._finish == "stop"))
+        finish = self._finish
+        if finish == "stop" and any(c.tool_calls for c in self._chunks):
+            finish = "tool_calls"
+        self.generation.push(Finished(Output(tuple(self._chunks), finish, len(self.plan.ids),
+                                             self._count)))
+
+    def _publish(self, chunk: Chunk | None) -> None:
+        if chunk is not None:
+            self._chunks.append(chunk)
+            self.generation.push(chunk)

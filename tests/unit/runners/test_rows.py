@@ -1,0 +1,95 @@
+"""`rows`: the per-layer cache of a pinned decode step and its per-row attention, and the
+check that refuses a model it cannot serve (never a silent fallback)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from cacheproxy.runners import rows
+from cacheproxy.runners.rows import RowsCache, UnsupportedModel
+
+
+def _filled(length: int, seed: int) -> KVCache:
+    cache = KVCache()
+    mx.random.seed(seed)
+    cache.update_and_fetch(mx.random.normal((1, 2, length, 8)), mx.random.normal((1, 2, length, 8)))
+    return cache
+
+
+def test_each_row_writes_into_its_own_slot_cache_and_reads_its_own_offset() -> None:
+    a, b = _filled(5, 1), _filled(2, 2)
+    layer = RowsCache([a, None, b])
+    assert layer.offset.tolist() == [5, 0, 2]  # RoPE's per-row positions, before the write
+    keys, values = mx.random.normal((3, 2, 1, 8)), mx.random.normal((3, 2, 1, 8))
+    layer.update_and_fetch(keys, values)
+    assert (a.offset, b.offset) == (6, 3)
+    assert mx.array_equal(a.keys[:, :, 5:6], keys[0:1]).item()
+    assert mx.array_equal(b.values[:, :, 2:3], values[2:3]).item()
+
+
+def test_attention_runs_per_row_at_the_rows_own_length_and_a_free_row_is_zero() -> None:
+    a, b = _filled(5, 1), _filled(2, 2)
+    layer = RowsCache([a, None, b])
+    layer.update_and_fetch(mx.random.normal((3, 2, 1, 8)), mx.random.normal((3, 2, 1, 8)))
+    queries = mx.random.normal((3, 4, 1, 8))
+    out = rows.attention(queries, None, None, cache=layer, scale=0.3, mask=None)
+    for i, cache in ((0, a), (2, b)):
+        k, v = cache.keys_and_values()
+        alone = mx.fast.scaled_dot_product_attention(queries[i:i + 1], k, v, scale=0.3)
+        assert mx.array_equal(out[i:i + 1], alone).item()
+    assert not mx.any(out[1]).item()
+    assert layer.attended == 1
+
+
+def test_attention_of_any_other_cache_is_mlx_lms() -> None:
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    q, k, v = (mx.random.normal((1, 2, 3, 8)) for _ in range(3))
+    cache = KVCache()
+    ours = rows.attention(q, k, v, cache=cache, scale=0.5, mask="causal")
+    theirs = scaled_dot_product_attention(q, k, v, cache=cache, scale=0.5, mask="causal")
+    assert mx.array_equal(ours, theirs).item()
+
+
+class _Rotating(nn.Module):
+    """A model whose cache is not the plain KVCache (a sliding window)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = [nn.Linear(4, 4)]
+
+    def make_cache(self) -> list[Any]:
+        return [RotatingKVCache(max_size=8)]
+
+
+class _Direct(nn.Module):
+    """A model whose attention calls MLX's kernel itself, not mlx-lm's function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layers = [nn.Linear(8, 8)]
+
+    def __call__(self, inputs: Any, cache: Any = None) -> Any:
+        h = self.embed(inputs)
+        for layer, c in zip(self.layers, cache, strict=True):
+            x = layer(h)[:, None]  # (B, 1 head, L, 8)
+            k, v = c.update_and_fetch(x, x)
+            h = h + mx.fast.scaled_dot_product_attention(x, k, v, scale=1.0)[:, 0]
+        return self.embed.as_linear(h)
+
+
+@pytest.mark.parametrize(("model", "why"), [
+    (_Rotating(), "is not mlx-lm's plain KVCache"),
+    (_Direct(), "does not go through mlx-lm's scaled_dot_product_attention"),
+], ids=["rotating", "direct"])
+def test_a_model_the_pinned_batch_cannot_serve_is_refused_naming_the_setting(
+        model: nn.Module, why: str) -> None:
+    with pytest.raises(UnsupportedModel, match="setting 'decode_slots': 4") as refused:
+        rows.check(model, 4)
+    assert why in str(refused.value)
