@@ -29,7 +29,7 @@ import pytest
 
 from cacheproxy.runners.demo.model import random_model
 from tests.conftest import free_port
-from tests.test_cli import serving
+from tests.harness.processes import serving
 
 OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
 SLOTS = 16  # on AMD EPYC, OpenBLAS changes a row's bits from M = 13 rows: S must reach it
