@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -206,7 +207,8 @@ async def test_admin_store_errors_are_503(runner: MlxRunner) -> None:
         await server.close()
 
 
-async def _raw(proxy_url: str, head: bytes, body: bytes, *, hang_up: bool) -> bytes:
+async def _raw(proxy_url: str, head: bytes, body: bytes, *, hang_up: bool,
+               started: Callable[[], bool] = lambda: True) -> bytes:
     """A POST written by hand: a body no client library would send, or half of one."""
     host, port = proxy_url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
@@ -214,7 +216,10 @@ async def _raw(proxy_url: str, head: bytes, body: bytes, *, hang_up: bool) -> by
                  b"Content-Type: application/json\r\n" + head + b"\r\n" + body)
     await writer.drain()
     if hang_up:
-        await asyncio.sleep(0.3)  # the handler is reading the body by now
+        for _ in range(1000):  # until the server took the request (its handler then runs)
+            if started():
+                break
+            await asyncio.sleep(0.01)
         writer.close()
         return b""
     answer = await reader.read(4096)
@@ -240,8 +245,12 @@ async def test_a_body_that_does_not_decode_is_a_400_and_a_client_gone_mid_body_a
         assert answer.startswith(b"HTTP/1.1 400") and b'"code":"invalid_request_error"' in answer
         assert b"Content-Encoding" in answer and b"Connection: close" in answer
         with capture_logs() as logs:
-            await _raw(url, b"Content-Length: %d\r\n" % (len(body) + 50), body, hang_up=True)
-            for _ in range(100):
+            assert served.server is not None
+            taken = served.server.requests_count  # (the 400 above)
+            await _raw(url, b"Content-Length: %d\r\n" % (len(body) + 50), body, hang_up=True,
+                       started=lambda: served.server is not None and
+                       served.server.requests_count > taken)
+            for _ in range(400):  # (up to 20 s on a loaded machine)
                 if any(e.get("status") == 499 for e in logs):
                     break
                 await asyncio.sleep(0.05)
