@@ -1,6 +1,7 @@
 """The command line in-process: `cacheproxy ARGS` through `cli.main.run`, its output
 captured and no terminal on its stdin (what `main()` adds, the process exit, is tested in
-tests/system). Output streams are the process's: run one command at a time."""
+tests/system). Output streams are the process's: run one command at a time. Not `serve`:
+it binds its port and configures the whole process's logging (tests/system runs it)."""
 
 from __future__ import annotations
 

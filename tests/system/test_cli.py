@@ -194,8 +194,12 @@ def test_two_installs_of_the_same_files_share_entries_and_purge_nothing(tmp_path
     assert (namespace["state"], namespace["entries"]) == ("current", 1)
 
 
-def test_a_missing_model_directory_exits_2_with_a_message(tmp_path: Path) -> None:
-    """(A process of its own: `serve` configures the process's logging before it loads.)"""
-    out = subprocess.run([*CLI, "serve", "--model", str(tmp_path / "missing")],
+def test_bad_serve_values_exit_2_with_a_message(tmp_path: Path) -> None:
+    """(Processes of their own: `serve` binds its port and configures the process's logging
+    before it opens the store or loads the model.)"""
+    out = subprocess.run([*CLI, "serve", "--store", "ftp://x", "--port", "0"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "ftp://x" in out.stderr
+    out = subprocess.run([*CLI, "serve", "--model", str(tmp_path / "missing"), "--port", "0"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "does not exist" in out.stderr
