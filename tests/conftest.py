@@ -179,19 +179,3 @@ def tiny_disk(tmp_path: Path) -> Iterator[Path]:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
-_TIERS = ("system", "e2e", "contract", "unit")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Longest first, so two xdist workers finish together: the load-test smokes (one
-    group, one worker, about 100 s in a row) start at once, then the process tests, the
-    in-process ones, the stores, and the pure tests last, filling in around them."""
-    def rank(item: pytest.Item) -> tuple[int, int]:
-        grouped = item.get_closest_marker("xdist_group") is not None
-        tier = next((i for i, t in enumerate(_TIERS) if f"/tests/{t}/" in str(item.path)),
-                    len(_TIERS))
-        return (0 if grouped else 1, tier)
-
-    items.sort(key=rank)  # (stable: each file keeps its own order)

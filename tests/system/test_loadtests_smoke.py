@@ -26,9 +26,11 @@ SMOKES = {
     "reproducibility": (("--prompts", "2", "--repeats", "2", "--max-tokens", "8"),
                         "reproducibility.png", "| t0 concurrent |"),
     "hit_path": (("--smoke",), "hit_path.png", "| tiered |"),
-    "workload": (("--smoke",), "workload.png", "| through cacheproxy |"),
+    "workload": (("--distinct", "30", "--rate", "10", "--duration", "1.5", "--bucket", "0.5"),
+                 "workload.png", "| through cacheproxy |"),
     "faults": (("--smoke", "--only", "hostile,soak"), "faults.png", "| hostile |"),
-    "coherence": (("--smoke",), "coherence.png", "| tiered+redis, l1_ttl 3600 s | 5 |"),
+    "coherence": (("--rounds", "2", "--baseline-rounds", "1"), "coherence.png",
+                  "| tiered+redis, l1_ttl 3600 s | 2 |"),
     "bench_batching": (("--smoke",), "bench_batching.png", "| proxy S=4 | 4 |"),
 }
 
