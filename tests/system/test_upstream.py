@@ -510,8 +510,11 @@ async def test_deltas_are_gathered_while_nobody_streams_them(
     finally:
         await runner.aclose()
     # Gathered: the first delta (it shows the engine), then the rest at the close (120
-    # events are about 40 KB, under the 64 KiB a wake-up gathers). Live: one by one.
-    assert counts[0] <= 3 and counts[1] >= 60, counts
+    # events are about 40 KB, under the 64 KiB a wake-up gathers). Live: as they arrive,
+    # one by one on an idle machine (~120 reads); on a busy one the kernel hands several
+    # events over in one read (46 seen in CI with two workers), so the bound is the shape,
+    # not the count: an order of magnitude more reads than gathered.
+    assert counts[0] <= 3 and counts[1] >= 30, counts
     assert texts[0] and texts[1]
 
 
