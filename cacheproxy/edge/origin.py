@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -29,6 +29,7 @@ from cacheproxy.errors import CrossSiteRefused, HostNotAllowed
 LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
 _SIMPLE_TYPES = ("text/plain", "multipart/form-data")  # no preflight, never JSON
 _FORM = "application/x-www-form-urlencoded"  # curl -d's default too: refused from browsers
+_PASSED_MAX = 1024  # header combinations remembered as let through
 _BROWSER_HEADERS = ("Origin", "Referer", "Sec-Fetch-Site", "Sec-Fetch-Mode")
 
 
@@ -38,8 +39,23 @@ class SiteGuard:
 
     hosts: frozenset[str]  # lower-case host names, without port; "*": any
     origins: frozenset[str]  # "scheme://host[:port]", lower-case; "*": any
+    passed: set[tuple[str, str, str | None, str]] = field(default_factory=set, compare=False)
 
     def __call__(self, request: web.Request) -> None:
+        # On the hit path: a request whose Host, Origin, Content-Type and method were let
+        # through once is let through again without parsing them (bounded memo).
+        headers = request.headers
+        seen = (request.method, headers.get("Host", ""), headers.get("Origin"),
+                headers.get("Content-Type", ""))
+        if seen in self.passed:
+            return
+        self._check(request)
+        if request.content_type.lower() != _FORM:  # (a form's verdict hangs on more headers)
+            if len(self.passed) >= _PASSED_MAX:
+                self.passed.clear()
+            self.passed.add(seen)
+
+    def _check(self, request: web.Request) -> None:
         host = request.headers.get("Host", "")
         if host and not self._host_ok(_hostname(host)):
             raise HostNotAllowed(f"Host {host[:100]!r} is not this proxy's (a DNS-rebound "
@@ -50,8 +66,8 @@ class SiteGuard:
                                    "allow it with --allowed-origins")
         if request.method == "POST" and "*" not in self.origins:
             kind = request.content_type.lower()
-            browser = any(name in request.headers for name in _BROWSER_HEADERS)
-            if kind in _SIMPLE_TYPES or (kind == _FORM and browser):
+            if kind in _SIMPLE_TYPES or (
+                    kind == _FORM and any(name in request.headers for name in _BROWSER_HEADERS)):
                 raise CrossSiteRefused(f"a POST of Content-Type {kind!r} is what a browser "
                                        "sends cross-site; send application/json")
 
