@@ -536,14 +536,13 @@ async def foreign_write_get_ms(url: str, store: Any, keys: Sequence[str],
 # it and SIGUSR2 resumes it between two of its steps (Turns): stopped mid-step (SIGSTOP) it
 # could hold the disk store's WAL index lock and stall every reader while it is stopped.
 PURGE_CHILD = """
-import asyncio, signal, sys, threading
+import asyncio, signal, sys
 from cacheproxy.cli.store import purge
-running = threading.Event()
-running.set()
-signal.signal(signal.SIGUSR1, lambda *_: running.clear())
-signal.signal(signal.SIGUSR2, lambda *_: running.set())
+running = [True]  # (a plain flag: a threading.Event's lock is not safe in a signal handler)
+signal.signal(signal.SIGUSR1, lambda *_: running.__setitem__(0, False))
+signal.signal(signal.SIGUSR2, lambda *_: running.__setitem__(0, True))
 async def paused():
-    while not running.is_set():
+    while not running[0]:
         await asyncio.sleep(0.001)
 print("ready", flush=True)
 sys.stdin.readline()
