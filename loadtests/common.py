@@ -43,6 +43,9 @@ from tests.harness.processes import (  # noqa: E402
     http,
     wait_ready,
 )
+from tests.harness.processes import (
+    OPENBLAS as OPENBLAS_PATH,
+)
 from tests.harness.processes import Child as Server  # noqa: E402
 from tests.harness.redis_servers import (  # noqa: E402
     NoServerBinary,
@@ -56,7 +59,7 @@ __all__ = [
     "cpu_seconds", "free_port", "health_probe", "http", "run_wrk", "wait_ready", "wrk_point",
 ]
 
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+OPENBLAS = str(OPENBLAS_PATH)  # (the tests' own: tests/harness/processes.py)
 RESULTS = Path(__file__).resolve().parent / "results"
 ANIMALS = ["fox", "owl", "cat", "dog", "bear", "wolf", "deer", "frog", "duck", "horse",
            "rabbit", "mouse", "goat", "sheep", "cow", "pig", "hen", "bee", "fish", "eagle"]

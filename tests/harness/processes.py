@@ -27,6 +27,8 @@ from pathlib import Path
 
 HOST = "127.0.0.1"
 CLI = [sys.executable, "-m", "cacheproxy"]
+# Debian's OpenBLAS: the batch-variant runtime the exactness tests run their children under.
+OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 5.0
 Probe = Callable[[], bool]
@@ -42,6 +44,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
+
+
+def openblas_env() -> dict[str, str]:
+    """This process's environment with OpenBLAS preloaded (offline); fails the test without it."""
+    if not OPENBLAS.exists():
+        import pytest
+
+        pytest.fail(f"{OPENBLAS} is missing: `apt-get install libopenblas0-pthread` "
+                    "(.ci/run installs it)")
+    return {**os.environ, "LD_PRELOAD": str(OPENBLAS), "HF_HUB_OFFLINE": "1"}
 
 
 def pinned(argv: Sequence[str], core: int | None) -> list[str]:

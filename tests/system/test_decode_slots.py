@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
@@ -29,9 +28,8 @@ import pytest
 
 from cacheproxy.runners.demo.model import random_model
 from tests.conftest import free_port
-from tests.harness.processes import serving
+from tests.harness.processes import openblas_env, serving
 
-OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
 SLOTS = 16  # on AMD EPYC, OpenBLAS changes a row's bits from M = 13 rows: S must reach it
 STEP = 32
 WORDS = ("fox", "owl", "bear", "hare", "seal", "wolf", "crane", "deer", "frog", "duck",
@@ -179,16 +177,9 @@ def variant_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                         layers=2, heads=8)
 
 
-def _openblas() -> dict[str, str]:
-    if not OPENBLAS.exists():
-        pytest.fail(f"{OPENBLAS} is missing: `apt-get install libopenblas0-pthread` "
-                    "(.ci/run installs it)")
-    return {**os.environ, "LD_PRELOAD": str(OPENBLAS), "HF_HUB_OFFLINE": "1"}
-
-
 def test_a_busy_pinned_batch_answers_every_request_as_it_answers_it_alone(
         variant_model: Path, tmp_path: Path) -> None:
-    env = _openblas()
+    env = openblas_env()
     args = ("--model", str(variant_model), "--model-id", "m", "--prefill-step", str(STEP),
             "--decode-slots", str(SLOTS), "--sampling", "seeded", "--no-watch")
     with serving(*args, "--store", "memory://", env=env) as url:

@@ -11,7 +11,6 @@ multiples is *not* identical on that runtime.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,9 +20,8 @@ import openai
 import pytest
 
 from cacheproxy.runners.demo.model import random_model
-from tests.harness.processes import serving
+from tests.harness.processes import openblas_env, serving
 
-OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
 STEP = 32
 SYSTEM = ("You are the assistant of a small zoo. Answer in one short sentence, name the "
           "animal, and say what it eats. The zoo has a fox, an owl, a bear, a hare, a seal, "
@@ -37,13 +35,6 @@ def variant_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model whose logprobs drift with the chunk shape under OpenBLAS."""
     return random_model(tmp_path_factory.mktemp("variant") / "llama-256x2", hidden=256,
                         layers=2, heads=4)
-
-
-def _openblas() -> dict[str, str]:
-    if not OPENBLAS.exists():
-        pytest.fail(f"{OPENBLAS} is missing: `apt-get install libopenblas0-pthread` "
-                    "(.ci/run installs it)")
-    return {**os.environ, "LD_PRELOAD": str(OPENBLAS), "HF_HUB_OFFLINE": "1"}
 
 
 def _conversation(url: str) -> tuple[list[Any], list[str], list[dict[str, Any]]]:
@@ -111,7 +102,7 @@ print(json.dumps({"tokens": len(ids),
 
 def test_reuse_is_bit_identical_to_cold_prefill_on_a_batch_variant_runtime(
         variant_model: Path, tmp_path: Path) -> None:
-    env = _openblas()
+    env = openblas_env()
     model = ("--model", str(variant_model), "--model-id", "m", "--prefill-step", str(STEP))
     store = f"disk://{tmp_path / 'store'}"
     with serving(*model, "--store", store, "--no-watch", env=env) as url:
