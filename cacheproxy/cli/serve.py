@@ -24,6 +24,7 @@ from aiohttp import web
 from backends import redact_url
 from backends.base import Backend
 from cacheproxy.cli.settings import Settings, UpstreamPool
+from cacheproxy.edge.apis import PARSERS
 from cacheproxy.edge.app import create_app
 from cacheproxy.edge.state import CONNECTIONS, EdgeOptions
 from cacheproxy.observe.logs import BatchedLines
@@ -129,7 +130,7 @@ async def _serve_model(settings: Settings, runner: Runner, store: Backend,
     await invalidator.start(watch_interval=settings.watch_interval if settings.watch else None)
     if isinstance(runner, UpstreamRunner):  # it sees engine changes by itself
         runner.on_fingerprint_change = invalidator.fingerprint_changed
-    proxy = CachingProxy(runner, store, service_options(settings),
+    proxy = CachingProxy(runner, store, service_options(settings), parsers=PARSERS,
                          gate=invalidator.wait_ready, gate_open=invalidator.is_open)
     log.info("serving", model=runner.defaults().model_id,
              fingerprint=runner.fingerprint().digest, store=redact_url(settings.store))

@@ -11,18 +11,19 @@ import asyncio
 import dataclasses
 import time
 from functools import partial
-from typing import Any, Protocol, assert_never
+from typing import Any, assert_never
 
 import orjson
 from aiohttp import web
 
-from cacheproxy.edge import render, responses_render
+from cacheproxy.edge import render
 from cacheproxy.edge.aiohttp_adapter import Body, Rendered, forget_frames, header_lines
-from cacheproxy.edge.route import JSON
+from cacheproxy.edge.apis import APIS, Stream
+from cacheproxy.edge.route import JSON, Handler
 from cacheproxy.edge.state import CACHE_LOG, IDENTITY, IDS, OPTIONS, ROUTER
 from cacheproxy.errors import ClientGone, ProxyError, RequestTimeout, UnreadableBody
 from cacheproxy.keys.canonical import Parsed, Route
-from cacheproxy.keys.codec import Chunk, Output
+from cacheproxy.keys.codec import Output
 from cacheproxy.observe.logs import SharedFields
 from cacheproxy.service.flights import Flight
 from cacheproxy.service.memos import CREATED_MARK, ID_MARK, Repeat, RepeatKey, Template
@@ -35,7 +36,7 @@ SSE = "text/event-stream"
 
 async def _complete(request: web.Request, endpoint: Route) -> web.StreamResponse:
     app = request.app
-    raw = await _body(request)
+    raw = await read_body(request)
     scope = request.get(IDENTITY, "") if app[OPTIONS].cache_scope == "per-key" else ""
     router = app[ROUTER]
     proxy = router.default if router.single else router.route(raw, scope)  # (single: no call)
@@ -55,7 +56,7 @@ async def _complete(request: web.Request, endpoint: Route) -> web.StreamResponse
             assert_never(answer)
 
 
-async def _body(request: web.Request) -> bytes:
+async def read_body(request: web.Request) -> bytes:
     """The request body: taken as is when all of it has arrived (a small POST usually has),
     else read as aiohttp reads it, within --body-timeout (408 past it). Over client_max_size
     is a 413 either way; a body whose Content-Encoding does not decode is a 400; a client
@@ -84,42 +85,22 @@ async def _body(request: web.Request) -> bytes:
     return raw
 
 
-# The POST routes: _complete with its route (a partial, not one more coroutine per hit).
-chat_completions = partial(_complete, endpoint="chat")
-chat_completions.__doc__ = "POST /v1/chat/completions."
-completions = partial(_complete, endpoint="completions")
-completions.__doc__ = "POST /v1/completions."
-responses = partial(_complete, endpoint="responses")
-responses.__doc__ = "POST /v1/responses."
-
-
-class Stream(Protocol):
-    """The events of one streamed answer in its API (render.ChatStream, ResponsesStream)."""
-
-    done: bytes
-
-    def start(self) -> bytes: ...
-    def chunk(self, chunk: Chunk) -> bytes: ...
-    def error(self, error: ProxyError) -> bytes: ...
-    def end(self, output: Output) -> bytes: ...
+def handler(route: Route) -> Handler:
+    """The POST handler of an API of the table (edge.apis): _complete with its route (a
+    partial, not one more coroutine per hit)."""
+    return partial(_complete, endpoint=route)
 
 
 def _body_of(frame: render.Frame, output: Output) -> dict[str, Any]:
-    if frame.delivery.api == "responses":
-        return responses_render.response(frame, output)
-    return render.body(frame, output)
+    return APIS[frame.delivery.api].body(frame, output)
 
 
 def _stream_of(frame: render.Frame) -> Stream:
-    if frame.delivery.api == "responses":
-        return responses_render.ResponsesStream(frame)
-    return render.ChatStream(frame)
+    return APIS[frame.delivery.api].stream(frame)
 
 
 def _whole_stream(frame: render.Frame, output: Output) -> bytes:
-    if frame.delivery.api == "responses":
-        return responses_render.whole_stream(frame, output)
-    return render.whole_stream(frame, output)
+    return APIS[frame.delivery.api].whole_stream(frame, output)
 
 
 def _repeat_hit(request: web.Request, repeat: Repeat, ttl: float | None) -> Rendered:

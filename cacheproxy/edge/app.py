@@ -17,6 +17,8 @@ from aiohttp import web
 
 from cacheproxy.edge import admin, answers, info, status
 from cacheproxy.edge.aiohttp_adapter import expect_within
+from cacheproxy.edge.apis import APIS, ID_HEADS, Api
+from cacheproxy.edge.apis.messages import routes as messages
 from cacheproxy.edge.auth import check_admin, client_identity
 from cacheproxy.edge.origin import guarded, site_guard
 from cacheproxy.edge.render import ResponseIds
@@ -52,7 +54,7 @@ def create_app(options: EdgeOptions, parts: Parts) -> web.Application:
     app = web.Application(client_max_size=options.max_body_bytes)
     app[OPTIONS] = options
     app[STARTED] = time.time()
-    app[IDS] = ResponseIds()
+    app[IDS] = ResponseIds(ID_HEADS)
     app[METRICS] = metrics = Metrics()
     app.cleanup_ctx.append(_fold_tally)
     app.cleanup_ctx.append(_lifecycle(parts))
@@ -114,17 +116,26 @@ def _status_guard(options: EdgeOptions, keys: tuple[bytes, ...]) -> dict[str, An
 def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics) -> None:
     keys = tuple(k.encode() for k in options.api_keys)
 
-    def api_guard(request: web.Request) -> None:
-        request[IDENTITY] = client_identity(request, keys)
-
     limits = Limits(options.max_in_flight)
-    # Without API keys every caller is the same anonymous identity (IDENTITY unset: "").
-    api = {"guard": api_guard if keys else None, "limits": limits,
-           "record": metrics.tally.record}
+
+    def api_options(entry: Api | None = None) -> dict[str, Any]:
+        header = entry.key_header if entry is not None else ""
+
+        def guard(request: web.Request) -> None:
+            request[IDENTITY] = client_identity(request, keys, header=header)
+
+        # Without API keys every caller is the same anonymous identity (IDENTITY unset: "").
+        return {"guard": guard if keys else None, "limits": limits,
+                "record": metrics.tally.record,
+                "shape": entry.error if entry is not None else None}
+
+    api = api_options()
     routes: list[tuple[str, str, Handler, dict[str, Any]]] = [
-        ("POST", "/v1/chat/completions", answers.chat_completions, api),
-        ("POST", "/v1/completions", answers.completions, api),
-        ("POST", "/v1/responses", answers.responses, api),
+        ("POST", path, answers.handler(name), api_options(entry))
+        for name, entry in APIS.items() for path in entry.paths]
+    routes += [
+        ("POST", "/v1/messages/count_tokens", messages.count_tokens,
+         api_options(APIS["messages"])),
         ("GET", "/v1/models", info.models, api),
         ("GET", "/health", info.health, {}),
         ("GET", "/metrics", status.metrics, _status_guard(options, keys)),

@@ -27,14 +27,19 @@ def matches(token: bytes, secrets: tuple[bytes, ...]) -> bool:
     return found
 
 
-def client_identity(request: web.Request, keys: tuple[bytes, ...]) -> str:
-    """A stable, non-reversible identity for the caller's key ("" when keys are off)."""
+def client_identity(request: web.Request, keys: tuple[bytes, ...], *,
+                    header: str = "") -> str:
+    """A stable, non-reversible identity for the caller's key ("" when keys are off): the
+    bearer token, or (an API that takes one, as Anthropic's `x-api-key`) `header`."""
     if not keys:
         return ""
     token = bearer(request)
+    if not token and header:
+        token = request.headers.get(header, "").strip().encode("utf-8", "surrogateescape")
     if not token or not matches(token, keys):
+        also = f" or as '{header}: <key>'" if header else ""
         raise Unauthorized("Incorrect API key provided. Pass a valid key as "
-                           "'Authorization: Bearer <key>'.")
+                           f"'Authorization: Bearer <key>'{also}.")
     return xxhash.xxh3_64_hexdigest(token)
 
 

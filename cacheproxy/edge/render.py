@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,19 +47,17 @@ class Frame:
         }
 
 
-_ID_HEADS = {"chat": "chatcmpl-", "completions": "cmpl-", "responses": "resp_"}
-
-
 class ResponseIds:
     """Unique response ids without a uuid4 per response: a random prefix and a counter."""
 
-    def __init__(self) -> None:
+    def __init__(self, heads: Mapping[Route, str]) -> None:
+        self._heads = heads
         self._prefix = os.urandom(6).hex()
         self._counter = itertools.count()
 
     def next(self, route: Route) -> str:
-        """`chatcmpl-…`, `cmpl-…` or `resp_…`."""
-        return f"{_ID_HEADS[route]}{self._prefix}{next(self._counter):012x}"
+        """The API's head (`chatcmpl-`, `resp_`, `msg_`...), a prefix and a counter."""
+        return f"{self._heads[route]}{self._prefix}{next(self._counter):012x}"
 
 
 def sse(events: list[dict[str, Any]]) -> bytes:

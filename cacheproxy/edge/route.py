@@ -55,8 +55,13 @@ def json_response(data: Any, *, status: int = 200, headers: dict[str, str] | Non
                         content_type=JSON)
 
 
-def _error_response(error: ProxyError) -> web.Response:
-    return json_response(error.body(), status=error.status, headers=error.headers())
+Shape = Callable[[ProxyError], dict[str, object]]
+"""An API's error body (OpenAI's `error.body()` unless the route says otherwise)."""
+
+
+def _error_response(error: ProxyError, shape: Shape | None = None) -> web.Response:
+    body = error.body() if shape is None else shape(error)
+    return json_response(body, status=error.status, headers=error.headers())
 
 
 def _as_proxy_error(exc: web.HTTPException, request: web.Request) -> ProxyError:
@@ -75,9 +80,11 @@ class Limits:
 
 
 def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
-         limits: Limits | None = None, record: Record | None = None) -> Handler:
-    """Wrap a route handler: request id, guard (auth), in-flight bound, error mapping,
-    then one access log line and the metrics of the finished request."""
+         limits: Limits | None = None, record: Record | None = None,
+         shape: Shape | None = None) -> Handler:
+    """Wrap a route handler: request id, guard (auth), in-flight bound, error mapping (in
+    the route's API's `shape`), then one access log line and the metrics of the finished
+    request."""
 
     access = access_writer(log.bind())  # a concrete logger once configured: no lazy proxy
     fixed_path = endpoint if "{" not in endpoint else ""  # a templated route logs its path
@@ -99,20 +106,20 @@ def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
                 counted = True
             response = await handler(request)
         except ProxyError as exc:
-            response = _error_response(exc)
+            response = _error_response(exc, shape)
             if exc.closes:
                 response.force_close()
             if exc.cache_log is not None:
                 request[CACHE_LOG] = exc.cache_log
         except BackendError as exc:  # a store call outside the cache path (admin API)
-            response = _error_response(StoreDown(f"the store failed: {exc}"))
+            response = _error_response(StoreDown(f"the store failed: {exc}"), shape)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            response = _error_response(_as_proxy_error(exc, request))
+            response = _error_response(_as_proxy_error(exc, request), shape)
         except Exception:
             log.exception("unhandled_error", request_id=request_id, path=request.path)
-            response = _error_response(GenerationFailed("internal error"))
+            response = _error_response(GenerationFailed("internal error"), shape)
         finally:
             if counted and limits is not None:
                 limits.in_flight -= 1

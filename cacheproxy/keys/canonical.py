@@ -22,8 +22,8 @@ from policies.sampling import Sampling, SamplingMode, SamplingOutcome, resolve_s
 
 Endpoint = Literal["chat", "completions"]
 """What the canonical request is: a chat or a text completion."""
-Route = Literal["chat", "completions", "responses"]
-"""Which API a request came through (and is answered in): the Responses API asks for chats."""
+Route = Literal["chat", "completions", "responses", "messages"]
+"""Which API a request came through (and is answered in): Responses and Messages ask for chats."""
 __all__ = ["ROLES", "CanonicalRequest", "Delivery", "Endpoint", "Message", "Parsed", "Route",
            "RunnerDefaults", "parse"]
 

@@ -57,6 +57,7 @@ class Output:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    stop: str = ""  # the stop sequence that ended it ("": none did)
 
     @property
     def text(self) -> str:
@@ -86,7 +87,8 @@ FINISHED = frozenset({"stop", "length", "tool_calls"})
 def same_answer(a: Output, b: Output) -> bool:
     """Whether two outputs are the same answer: tokens, text, reasoning, calls, finish."""
     return (a.token_ids == b.token_ids and a.text == b.text and a.reasoning == b.reasoning
-            and a.tool_calls == b.tool_calls and a.finish_reason == b.finish_reason)
+            and a.tool_calls == b.tool_calls and a.finish_reason == b.finish_reason
+            and a.stop == b.stop)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,19 +129,16 @@ def _chunk(w: list[Any]) -> Chunk:
 def encode(record: Record) -> bytes:
     """Record -> bytes: magic, version, xxh3_64 checksum of the payload, msgpack payload."""
     out = record.output
-    payload = msgpack.packb(
-        {
-            "request": record.request,
-            "output": {
-                "chunks": [_chunk_wire(c) for c in out.chunks],
-                "finish_reason": out.finish_reason,
-                "prompt_tokens": out.prompt_tokens,
-                "completion_tokens": out.completion_tokens,
-            },
-            "provenance": record.provenance,
-        },
-        use_bin_type=True,
-    )
+    output = {
+        "chunks": [_chunk_wire(c) for c in out.chunks],
+        "finish_reason": out.finish_reason,
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+    }
+    if out.stop:  # (only then: a record without one has the bytes it always had)
+        output["stop"] = out.stop
+    payload = msgpack.packb({"request": record.request, "output": output,
+                             "provenance": record.provenance}, use_bin_type=True)
     return MAGIC + bytes([RECORD_VERSION]) + xxhash.xxh3_64_digest(payload) + payload
 
 
@@ -160,6 +159,7 @@ def decode(data: bytes) -> Record:
             finish_reason=_typed(o["finish_reason"], str, "finish_reason"),
             prompt_tokens=_typed(o["prompt_tokens"], int, "prompt_tokens"),
             completion_tokens=_typed(o["completion_tokens"], int, "completion_tokens"),
+            stop=_typed(o.get("stop", ""), str, "stop"),
         )
         request = _typed(raw["request"], dict, "request")
         provenance = _typed(raw["provenance"], dict, "provenance")
@@ -177,6 +177,7 @@ def record_view(key: str, record: Record) -> dict[str, Any]:
         "output": {
             "text": o.text,
             "finish_reason": o.finish_reason,
+            "stop": o.stop or None,
             "prompt_tokens": o.prompt_tokens,
             "completion_tokens": o.completion_tokens,
             "token_ids": o.token_ids,

@@ -41,6 +41,7 @@ class Assembler:
         self._logprobs: list[TokenLogprob] = []
         self._side = Pieces()  # reasoning and calls not yet in a chunk
         self.stopped = False  # a stop sequence cut the answer, or its one tool call is made
+        self.matched = ""  # the stop sequence that cut it
 
     def add(self, token: int, segment: str, logprob: TokenLogprob | None) -> Chunk | None:
         """Add one generated token and the text it completed; maybe emit a chunk."""
@@ -70,6 +71,7 @@ class Assembler:
         cut = self._find_stop()
         if cut is not None:
             self.stopped = True
+            self.matched = next(s for s in self._stops if self._text.startswith(s, cut))
             return self._emit(cut, force=True)
         if self._split is not None and self._split.done:
             self.stopped = True  # parallel_tool_calls false: the one call is made

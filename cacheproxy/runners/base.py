@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from cacheproxy.errors import GenerationFailed, ProxyError
 from cacheproxy.keys.canonical import CanonicalRequest, RunnerDefaults
@@ -161,6 +161,16 @@ class Runner(Protocol):
 
     async def aclose(self) -> None:
         """Stop the lane."""
+        ...
+
+
+@runtime_checkable
+class PromptCounter(Protocol):
+    """A runner that can tell a request's prompt length without generating (its tokenizer
+    is at hand): what the Messages API's count_tokens answers."""
+
+    def prompt_tokens(self, request: CanonicalRequest) -> int:
+        """The tokens of the prompt `request` is generated from (thread-safe)."""
         ...
 
 

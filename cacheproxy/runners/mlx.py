@@ -131,6 +131,10 @@ class MlxRunner:
         """The width of the model's logits."""
         return self._current().grammars.vocab_size
 
+    def prompt_tokens(self, request: CanonicalRequest) -> int:
+        """The length of the prompt `request` is generated from (the loaded tokenizer)."""
+        return len(self._prompt(self.tokenizer, request)[0].ids)
+
     def lane_state(self) -> dict[str, float | int]:
         """Queued jobs, whether one is generating, the slots' figures (with S > 1) and the
         prefix store's."""
@@ -207,7 +211,7 @@ class MlxRunner:
         steps = self._steps(loaded, request, prompt, generation, max_tokens)
         chunks, finish, count = self._decode(loaded.tokenizer, request, steps, assembler,
                                              generation)
-        return Output(tuple(chunks), finish, len(prompt.ids), count)
+        return Output(tuple(chunks), finish, len(prompt.ids), count, assembler.matched)
 
     def _plan(self, request: CanonicalRequest, generation: Generation) -> Slot:
         """A generation's slot in the pinned batch (on the lane thread, as it is admitted)."""

@@ -143,7 +143,7 @@ class Slot:
         if finish == "stop" and any(c.tool_calls for c in self._chunks):
             finish = "tool_calls"
         self.generation.push(Finished(Output(tuple(self._chunks), finish, len(self.plan.ids),
-                                             self._count)))
+                                             self._count, self.plan.assembler.matched)))
 
     def _publish(self, chunk: Chunk | None) -> None:
         if chunk is not None:

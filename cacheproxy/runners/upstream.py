@@ -285,7 +285,8 @@ class UpstreamRunner:
             # mlx_lm.server (a character split over tokens counts once); the prompt is asked.
             self.stop_cuts += reading.cut
             usage = (await self._prompt_tokens(member, request), reading.deltas)
-        return Output(tuple(reading.chunks), reading.finish, usage[0], usage[1])
+        return Output(tuple(reading.chunks), reading.finish, usage[0], usage[1],
+                      reading.matched)
 
     async def _prompt_tokens(self, member: Member, request: CanonicalRequest) -> int:
         """The prompt's token count, from a one-token reply (with mlx_lm.server's prompt cache

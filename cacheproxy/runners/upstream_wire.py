@@ -287,6 +287,11 @@ class Reading:
         call = json.dumps({"name": name, "arguments": json.loads(arguments)}, ensure_ascii=False)
         return f"{start}\n{call}\n{end}"
 
+    @property
+    def matched(self) -> str:
+        """The stop sequence the proxy cut the answer at ("": none)."""
+        return self._assembler.matched if self._assembler is not None else ""
+
     def flush(self) -> None:
         """Publish the text held back for a possible stop string."""
         if self._assembler is not None and not self._assembler.stopped:

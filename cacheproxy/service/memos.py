@@ -25,18 +25,17 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import msgpack
 
 from cacheproxy.keys import codec
-from cacheproxy.keys.canonical import Parsed, Route, RunnerDefaults, parse
+from cacheproxy.keys.canonical import Parsed, Route, RunnerDefaults
 from cacheproxy.keys.fields import decode_body
 from cacheproxy.keys.fingerprint import Fingerprint
 from cacheproxy.keys.key import CacheKey
-from cacheproxy.keys.responses import parse_responses
 from cacheproxy.observe.logs import SharedFields
 from policies.sampling import SamplingMode
 
@@ -87,12 +86,22 @@ class LRU(Generic[K, V]):
             self._bytes -= old[1]
 
 
+class Parse(Protocol):
+    """A decoded body of one API -> its canonical request (the edge's table of APIs)."""
+
+    def __call__(self, body: object, defaults: RunnerDefaults, mode: SamplingMode, *,
+                 max_tokens_cap: int | None = None,
+                 max_answer_tokens: int | None = None) -> Parsed: ...
+
+
 class ParseMemo:
     """Repeated identical bodies (of one cache scope) skip JSON decoding and
     canonicalization."""
 
-    def __init__(self, max_entries: int = 4096, *, max_tokens_cap: int | None = None,
+    def __init__(self, parsers: Mapping[Route, Parse], max_entries: int = 4096, *,
+                 max_tokens_cap: int | None = None,
                  max_answer_tokens: int | None = None) -> None:
+        self._parsers = parsers
         self._memo: LRU[tuple[Route, str, bytes],
                         tuple[RunnerDefaults, SamplingMode, Parsed]] = LRU(max_entries)
         self._cap = max_tokens_cap
@@ -103,20 +112,16 @@ class ParseMemo:
         self, raw: bytes, route: Route, defaults: RunnerDefaults, mode: SamplingMode,
         scope: str = "",
     ) -> Parsed:
-        """Same as canonical.parse(decode_body(raw), ...) (or parse_responses for the
-        Responses API), remembered for small bodies, per cache scope."""
+        """The route's parser of decode_body(raw), remembered for small bodies, per cache
+        scope."""
         memo_key = (route, scope, raw)
         known = self._memo.get(memo_key) if len(raw) <= MAX_MEMO_BODY else None
         if known is not None and known[0] is defaults and known[1] == mode:
             return known[2]
         self.decodes += 1
         body = decode_body(raw)
-        if route == "responses":
-            parsed = parse_responses(body, defaults, mode, max_tokens_cap=self._cap,
-                                     max_answer_tokens=self._budget)
-        else:
-            parsed = parse(body, route, defaults, mode, max_tokens_cap=self._cap,
-                           max_answer_tokens=self._budget)
+        parsed = self._parsers[route](body, defaults, mode, max_tokens_cap=self._cap,
+                                      max_answer_tokens=self._budget)
         if len(raw) <= MAX_MEMO_BODY:
             self._memo.put(memo_key, (defaults, mode, parsed), size=2 * len(raw))
         return parsed

@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import assert_never
 
@@ -33,7 +33,7 @@ from cacheproxy.service.breaker import StoreUnavailable
 from cacheproxy.service.fill import Filler, FillOrder
 from cacheproxy.service.fleet import Fleet
 from cacheproxy.service.flights import Flight, Flights
-from cacheproxy.service.memos import Memos, ParseMemo, Repeat, RepeatKey
+from cacheproxy.service.memos import Memos, Parse, ParseMemo, Repeat, RepeatKey
 from cacheproxy.service.storage import StoreAccess
 from policies.cache_control import parse_cache_control
 from policies.plan import Action, Found, Lookup, Plan, Refusal, plan
@@ -112,14 +112,14 @@ class CachingProxy:
 
     def __init__(
         self, runner: Runner, store: Backend, options: ServiceOptions, *,
-        gate: Callable[[], Awaitable[None]] = _always_open,
+        parsers: Mapping[Route, Parse], gate: Callable[[], Awaitable[None]] = _always_open,
         gate_open: Callable[[], bool] = _is_open, clock: Callable[[], float] = time.time,
     ) -> None:
         self.runner = runner
         self.store = store
         self.options = options
         self._gate, self._gate_open, self._clock = gate, gate_open, clock
-        self.memos = Memos(parser=ParseMemo(max_tokens_cap=options.max_tokens_cap,
+        self.memos = Memos(parser=ParseMemo(parsers, max_tokens_cap=options.max_tokens_cap,
                                             max_answer_tokens=options.max_answer_tokens))
         self._repeats = self.memos.repeats
         self.storage = StoreAccess(store, store_retry=options.store_retry, ttl=options.ttl,

@@ -1,0 +1,83 @@
+"""The table of the APIs this server speaks: for each, its routes, how its body becomes the
+canonical request, how an answer is rendered (whole, streamed live, streamed from the
+store), its response ids and its error shape.
+
+Adding an API is a sub-package (its parse, render and errors, as `messages/`) and one line
+in `APIS`; the routes in the table are POSTed to the shared answer path (`answers`), and an
+API's other routes (such as count_tokens) are listed beside it in `app`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from cacheproxy.edge import render, responses_render
+from cacheproxy.edge.apis.messages import errors as messages_errors
+from cacheproxy.edge.apis.messages import render as messages_render
+from cacheproxy.edge.apis.messages.request import parse_messages
+from cacheproxy.errors import ProxyError
+from cacheproxy.keys.canonical import Parsed, Route, RunnerDefaults, parse
+from cacheproxy.keys.codec import Chunk, Output
+from cacheproxy.keys.responses import parse_responses
+from cacheproxy.service.memos import Parse
+from policies.sampling import SamplingMode
+
+
+class Stream(Protocol):
+    """The events of one streamed answer in its API (render.ChatStream, ResponsesStream...)."""
+
+    done: bytes
+
+    def start(self) -> bytes: ...
+    def chunk(self, chunk: Chunk) -> bytes: ...
+    def error(self, error: ProxyError) -> bytes: ...
+    def end(self, output: Output) -> bytes: ...
+
+
+def _openai_error(error: ProxyError) -> dict[str, object]:
+    return error.body()
+
+
+@dataclass(frozen=True, slots=True)
+class Api:
+    """One API: what the shared answer path needs to know of it."""
+
+    paths: tuple[str, ...]  # POST routes answered through the cache
+    id_head: str  # of its response ids
+    parse: Parse
+    body: Callable[[render.Frame, Output], dict[str, Any]]
+    stream: Callable[[render.Frame], Stream]
+    whole_stream: Callable[[render.Frame, Output], bytes]
+    error: Callable[[ProxyError], dict[str, object]] = _openai_error
+    key_header: str = ""  # a header that carries the API key besides `Authorization: Bearer`
+
+
+def _chat(body: object, defaults: RunnerDefaults, mode: SamplingMode, *,
+          max_tokens_cap: int | None = None, max_answer_tokens: int | None = None) -> Parsed:
+    return parse(body, "chat", defaults, mode, max_tokens_cap=max_tokens_cap,
+                 max_answer_tokens=max_answer_tokens)
+
+
+def _completions(body: object, defaults: RunnerDefaults, mode: SamplingMode, *,
+                 max_tokens_cap: int | None = None,
+                 max_answer_tokens: int | None = None) -> Parsed:
+    return parse(body, "completions", defaults, mode, max_tokens_cap=max_tokens_cap,
+                 max_answer_tokens=max_answer_tokens)
+
+
+APIS: Mapping[Route, Api] = {
+    "chat": Api(("/v1/chat/completions",), "chatcmpl-", _chat, render.body, render.ChatStream,
+                render.whole_stream),
+    "completions": Api(("/v1/completions",), "cmpl-", _completions, render.body,
+                       render.ChatStream, render.whole_stream),
+    "responses": Api(("/v1/responses",), "resp_", parse_responses, responses_render.response,
+                     responses_render.ResponsesStream, responses_render.whole_stream),
+    "messages": Api(("/v1/messages",), "msg_", parse_messages, messages_render.body,
+                    messages_render.MessagesStream, messages_render.whole_stream,
+                    messages_errors.error_body, "x-api-key"),
+}
+PARSERS: Mapping[Route, Parse] = {name: api.parse for name, api in APIS.items()}
+"""What the service parses each API's bodies with."""
+ID_HEADS: Mapping[Route, str] = {name: api.id_head for name, api in APIS.items()}

@@ -1,0 +1,17 @@
+"""Anthropic's error shape: `{"type": "error", "error": {"type": ..., "message": ...}}`,
+its type named by the status as Anthropic names them (the SDK raises by status)."""
+
+from __future__ import annotations
+
+from cacheproxy.errors import ProxyError
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+          500: "api_error", 502: "api_error", 503: "overloaded_error", 504: "timeout_error"}
+
+
+def error_body(error: ProxyError) -> dict[str, object]:
+    """The error as Anthropic shapes it (the message names the field, as ours all do)."""
+    kind = _TYPES.get(error.status, "invalid_request_error" if error.status < 500
+                      else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}

@@ -1,0 +1,211 @@
+"""A Messages API request as the equivalent Chat Completions request, then canonical.
+
+The conversation becomes chat turns (`turns`); `tools` (`input_schema`), `tool_choice`
+(`auto`, `any` = required, `tool` = that function, `none`), `disable_parallel_tool_use`
+(parallel_tool_calls false), `stop_sequences`, `max_tokens` (required; above the server's
+cap it is the cap: the answer then ends with `max_tokens` where the server stops it),
+`temperature`, `top_p`, `top_k`, `output_config.format` (a json_schema response_format) and
+`output_config.effort` (reasoning_effort; `max` is `xhigh`) map onto their chat forms;
+`thinking` is the template's thinking switch (`enabled` and `adaptive` on, `disabled` and
+`between_tools` off; absent: the template's default, as in chat; `budget_tokens` is checked
+and not enforced: the thought ends when the model ends it, within max_tokens). The canonical
+request is chat's, so a question asked through chat completions, Responses or Messages is
+one cache entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import orjson
+
+from cacheproxy.edge.apis.messages.turns import turns, unknown
+from cacheproxy.errors import InvalidRequest, Unsupported
+from cacheproxy.keys import fields
+from cacheproxy.keys.canonical import Parsed, RunnerDefaults, parse
+from cacheproxy.keys.tools import check_schema
+from policies.sampling import SamplingMode
+
+# Fields that change nothing in the answer: accepted, validated, never keyed.
+_PASSED = frozenset({"metadata", "service_tier", "speed", "inference_geo", "diagnostics",
+                     "user_profile_id", "workspace_id", "cache_control", "stream"})
+_APPLIED = frozenset({"model", "messages", "system", "max_tokens", "stop_sequences",
+                      "temperature", "top_p", "top_k", "tools", "tool_choice", "thinking",
+                      "output_config", "output_format"})
+_REFUSED = {"container": "runs no code-execution containers",
+            "context_management": "does not edit the context (send the turns to keep)",
+            "mcp_servers": "connects to no MCP servers (run the tools in the client)"}
+# What /v1/messages/count_tokens takes (the SDK's MessageCountTokensParams).
+COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking",
+                          "output_config", "output_format", "cache_control", "speed",
+                          "user_profile_id", "workspace_id"})
+# output_config.effort -> reasoning_effort ("max": the most a template can be asked).
+_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
+_TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "strict",
+                        "cache_control", "eager_input_streaming", "input_examples",
+                        "defer_loading", "allowed_callers"})
+
+
+def _fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
+    for name, why in _REFUSED.items():
+        if body.get(name) not in (None, [], {}):
+            raise Unsupported(f"'{name}' is not supported: this server {why}", param=name)
+    for name in body:
+        if name not in known and name not in _REFUSED:
+            raise Unsupported(f"'{name}' is not a parameter this server's Messages API knows: "
+                              "it is refused rather than ignored", param=name)
+    fields.obj(body, "metadata")
+    fields.obj(body, "diagnostics")
+    fields.obj(body, "cache_control")
+    for name, allowed in (("service_tier", ("auto", "standard_only")),
+                          ("speed", ("standard", "fast"))):
+        if body.get(name) not in (None, *allowed):
+            raise InvalidRequest(f"'{name}' must be one of {list(allowed)}", param=name)
+    for name in ("inference_geo", "user_profile_id", "workspace_id"):
+        fields.string(body, name, "")
+
+
+def _tool(raw: object, where: str) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"'{where}' must be an object", param=where)
+    if raw.get("type") not in (None, "custom"):
+        raise Unsupported(f"'{where}.type' {raw['type']!r}: only client tools with an "
+                          "input_schema are supported (Anthropic's server and built-in tools "
+                          "run on Anthropic's side)", param=f"{where}.type")
+    unknown(raw, _TOOL_KEYS, where)
+    if raw.get("input_examples"):
+        raise Unsupported(f"'{where}.input_examples' is not supported (put examples in the "
+                          "description)", param=f"{where}.input_examples")
+    if raw.get("defer_loading"):
+        raise Unsupported(f"'{where}.defer_loading' is not supported: this server has no "
+                          "tool search", param=f"{where}.defer_loading")
+    if raw.get("allowed_callers") not in (None, ["direct"]):
+        raise Unsupported(f"'{where}.allowed_callers' other than direct is not supported",
+                          param=f"{where}.allowed_callers")
+    fields.boolean(raw, "eager_input_streaming", False)  # each call is streamed whole anyway
+    check_schema(raw.get("input_schema"), f"{where}.input_schema")
+    function = {k: raw[k] for k in ("name", "description", "strict") if raw.get(k) is not None}
+    return {"type": "function", "function": {**function, "parameters": raw["input_schema"]}}
+
+
+def _tool_choice(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
+    raw = body.get("tool_choice")
+    if raw is None:
+        return
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind not in ("auto", "any", "tool", "none"):
+        raise InvalidRequest("'tool_choice.type' must be auto, any, tool or none",
+                             param="tool_choice")
+    unknown(raw, frozenset({"type", "name", "disable_parallel_tool_use"}), "tool_choice")
+    if not chat.get("tools"):
+        if kind in ("any", "tool"):
+            raise InvalidRequest(f"'tool_choice' {kind!r} needs tools", param="tool_choice")
+        return  # auto or none without tools: what a request without tools is
+    if kind == "tool":
+        chat["tool_choice"] = {"type": "function",
+                               "function": {"name": fields.string(raw, "name")}}
+    else:
+        chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
+    if fields.boolean(raw, "disable_parallel_tool_use", False) and kind != "none":
+        chat["parallel_tool_calls"] = False
+
+
+def _thinking(body: Mapping[str, Any], max_tokens: int) -> tuple[bool | None, bool]:
+    """(the template's thinking switch, None for its default; whether the thought is shown
+    omitted)."""
+    raw = fields.obj(body, "thinking")
+    if not raw:
+        return None, False
+    unknown(raw, frozenset({"type", "budget_tokens", "display"}), "thinking")
+    kind = raw.get("type")
+    if kind == "enabled":
+        budget = fields.integer(raw, "budget_tokens", None, lo=1, hi=2**31)
+        if budget is None or budget >= max_tokens:
+            raise InvalidRequest("'thinking.budget_tokens' is required and must be less than "
+                                 "max_tokens", param="thinking.budget_tokens")
+    elif kind not in ("adaptive", "disabled", "between_tools"):
+        raise InvalidRequest("'thinking.type' must be enabled, adaptive, disabled or "
+                             "between_tools", param="thinking.type")
+    if raw.get("display") not in (None, "summarized", "omitted"):
+        raise InvalidRequest("'thinking.display' must be summarized or omitted",
+                             param="thinking.display")
+    return kind in ("enabled", "adaptive"), raw.get("display") == "omitted"
+
+
+def _output(body: Mapping[str, Any], chat: dict[str, Any], switch: bool | None) -> None:
+    """output_config (and the older top-level output_format): format and effort."""
+    config = fields.obj(body, "output_config")
+    unknown(config, frozenset({"format", "effort"}), "output_config")
+    form, where = config.get("format"), "output_config.format"
+    if body.get("output_format") is not None:
+        if form is not None:
+            raise InvalidRequest("give 'output_config.format' or 'output_format', not both",
+                                 param="output_format")
+        form, where = body["output_format"], "output_format"
+    if form is not None:
+        if not isinstance(form, dict) or form.get("type") != "json_schema":
+            raise InvalidRequest(f"'{where}.type' must be json_schema", param=f"{where}.type")
+        unknown(form, frozenset({"type", "schema"}), where)
+        chat["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": form.get("schema")}}
+    effort = config.get("effort")
+    if effort is not None and effort not in _EFFORTS:
+        raise InvalidRequest(f"'output_config.effort' must be one of {list(_EFFORTS)}",
+                             param="output_config.effort")
+    kwargs: dict[str, Any] = {} if switch is None else {"enable_thinking": switch}
+    if effort is not None and switch is False:  # the level for templates that read it
+        kwargs["reasoning_effort"] = _EFFORTS[effort]
+    elif effort is not None:
+        chat["reasoning_effort"] = _EFFORTS[effort]
+    if kwargs:
+        chat["chat_template_kwargs"] = kwargs
+
+
+def _max_tokens(body: Mapping[str, Any], *, required: bool) -> int | None:
+    """The max_tokens asked (None where it may be left out: counting tokens)."""
+    wanted = fields.integer(body, "max_tokens", None, lo=1, hi=2**31)
+    if wanted is None and required:
+        raise InvalidRequest("'max_tokens' is required", param="max_tokens")
+    return wanted
+
+
+def translate(body: Mapping[str, Any], cap: int, *, counting: bool = False
+              ) -> tuple[dict[str, Any], bool]:
+    """The chat body of a Messages request (`cap`: the most tokens this server generates),
+    and whether thinking is shown omitted."""
+    _fields(body, COUNT_FIELDS if counting else _APPLIED | _PASSED)
+    asked = _max_tokens(body, required=not counting)
+    chat: dict[str, Any] = {"messages": turns(body), "max_tokens": min(asked or 1, cap)}
+    for name, hi in (("temperature", 1.0), ("top_p", 1.0)):
+        if body.get(name) is not None:
+            chat[name] = fields.number(body, name, 0.0, lo=0.0, hi=hi)
+    for name in ("model", "stream", "top_k"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if body.get("stop_sequences") is not None:
+        chat["stop"] = list(fields.stop_list(body, "stop_sequences"))
+    if body.get("tools") is not None:
+        if not isinstance(body["tools"], list):
+            raise InvalidRequest("'tools' must be a list", param="tools")
+        chat["tools"] = [_tool(t, f"tools[{i}]") for i, t in enumerate(body["tools"])]
+    _tool_choice(body, chat)
+    switch, omitted = _thinking(body, asked or 2**31)
+    _output(body, chat, switch)
+    return chat, omitted
+
+
+def parse_messages(body: object, defaults: RunnerDefaults, mode: SamplingMode, *,
+                   max_tokens_cap: int | None = None, max_answer_tokens: int | None = None,
+                   counting: bool = False) -> Parsed:
+    """The canonical request of a Messages body: its chat translation's, so that the APIs
+    key the same answer alike; the delivery says the Messages API renders it."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    cap = min(defaults.max_tokens_cap, defaults.context_length, max_tokens_cap or 2**31)
+    chat, omitted = translate(body, cap, counting=counting)
+    parsed = parse(chat, "chat", defaults, mode, max_tokens_cap=max_tokens_cap,
+                   max_answer_tokens=max_answer_tokens)
+    echo = orjson.dumps({"omit_thinking": True}) if omitted else b""
+    return replace(parsed, delivery=replace(parsed.delivery, api="messages", echo=echo))

@@ -1,0 +1,158 @@
+"""A Messages API conversation as chat turns.
+
+`system` is a first system turn; a turn's text blocks are its text parts (joined as chat
+joins them); an assistant's `thinking` blocks are its reasoning (their signatures accepted,
+never checked or keyed) and its `tool_use` blocks its tool calls; each `tool_result` block is
+a tool turn answering its `tool_use_id` (`is_error`: its text after "Error: "), and the
+user's runs of text are user turns after them. `cache_control` markers are accepted and never
+keyed. Anything else (images, documents, server-tool blocks) is a 400 naming the block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from cacheproxy.errors import InvalidRequest, Unsupported
+from cacheproxy.keys import fields
+
+_TEXT_KEYS = frozenset({"type", "text", "cache_control", "citations"})
+
+
+def unknown(block: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:
+    """400 naming the first field of `block` (at `where`) that is set and not `allowed`."""
+    for name, value in block.items():
+        if name not in allowed and value is not None:
+            raise Unsupported(f"'{where}.{name}' is not supported", param=f"{where}.{name}")
+
+
+def _blocks(raw: object, where: str) -> list[Any]:
+    if not isinstance(raw, list):
+        raise InvalidRequest(f"'{where}' must be a string or a list of content blocks",
+                             param=where)
+    for j, block in enumerate(raw):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise InvalidRequest(f"'{where}[{j}]' must be a content block with a 'type'",
+                                 param=f"{where}[{j}]")
+    return raw
+
+
+def _text(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A text block as a chat text part (cache_control accepted, not keyed)."""
+    unknown(block, _TEXT_KEYS, where)
+    if block.get("citations"):
+        raise Unsupported(f"'{where}.citations' is not supported", param=f"{where}.citations")
+    if not isinstance(block.get("text"), str):
+        raise InvalidRequest(f"'{where}.text' must be a string", param=f"{where}.text")
+    return {"type": "text", "text": block["text"]}
+
+
+def texts(raw: object, where: str) -> str | list[dict[str, Any]]:
+    """A string, or text blocks as chat text parts (joined as chat joins them)."""
+    if isinstance(raw, str):
+        return raw
+    out = []
+    for j, block in enumerate(_blocks(raw, where)):
+        if block["type"] != "text":
+            raise Unsupported(f"'{where}[{j}].type' {block['type']!r}: only text blocks are "
+                              "supported here (the model reads text only)",
+                              param=f"{where}[{j}].type")
+        out.append(_text(block, f"{where}[{j}]"))
+    return out
+
+
+def _assistant(raw: object, where: str) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = []
+    calls, thought = [], ""
+    for j, block in enumerate(_blocks(raw, where)):
+        at, kind = f"{where}[{j}]", block["type"]
+        if kind == "text":
+            parts.append(_text(block, at))
+        elif kind == "thinking":  # its signature is accepted as is, never checked or keyed
+            unknown(block, frozenset({"type", "thinking", "signature"}), at)
+            if not isinstance(block.get("thinking"), str):
+                raise InvalidRequest(f"'{at}.thinking' must be a string", param=f"{at}.thinking")
+            thought += block["thinking"]
+        elif kind == "tool_use":
+            calls.append(_tool_use(block, at))
+        else:
+            raise Unsupported(f"'{at}.type' {kind!r} is not supported in an assistant turn "
+                              "(text, thinking, tool_use)", param=f"{at}.type")
+    turn: dict[str, Any] = {"role": "assistant", "content": parts or None}
+    if calls:
+        turn["tool_calls"] = calls
+    if thought:
+        turn["reasoning_content"] = thought
+    return turn
+
+
+def _tool_use(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+    unknown(block, frozenset({"type", "id", "name", "input", "cache_control", "caller"}),
+             where)
+    if block.get("caller") not in (None, {"type": "direct"}):
+        raise Unsupported(f"'{where}.caller' other than direct is not supported",
+                          param=f"{where}.caller")
+    if not isinstance(block.get("input"), dict):
+        raise InvalidRequest(f"'{where}.input' must be an object", param=f"{where}.input")
+    return {"id": block.get("id"), "type": "function",
+            "function": {"name": block.get("name"), "arguments": block["input"]}}
+
+
+def _user(raw: object, where: str) -> list[dict[str, Any]]:
+    """A user turn's blocks: each tool_result a tool turn, each run of text a user turn."""
+    out: list[dict[str, Any]] = []
+    for j, block in enumerate(_blocks(raw, where)):
+        at, kind = f"{where}[{j}]", block["type"]
+        if kind == "tool_result":
+            out.append(_tool_result(block, at))
+        elif kind == "text":
+            if not out or out[-1]["role"] != "user":
+                out.append({"role": "user", "content": []})
+            out[-1]["content"].append(_text(block, at))
+        else:
+            raise Unsupported(f"'{at}.type' {kind!r} is not supported: the model reads "
+                              "text (text and tool_result blocks)", param=f"{at}.type")
+    if not out:
+        raise InvalidRequest(f"'{where}' must not be empty", param=where)
+    return out
+
+
+def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+    unknown(block, frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}),
+             where)
+    content = block.get("content")
+    joined = "" if content is None else texts(content, f"{where}.content")
+    text = joined if isinstance(joined, str) else "".join(p["text"] for p in joined)
+    if fields.boolean(block, "is_error", False):
+        text = f"Error: {text}"  # the model is told the tool failed, in the tool's turn
+    return {"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": text}
+
+
+def turns(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages of `system` and `messages`."""
+    out: list[dict[str, Any]] = []
+    if body.get("system") is not None:
+        out.append({"role": "system", "content": texts(body["system"], "system")})
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise InvalidRequest("'messages' must be a non-empty list", param="messages")
+    for i, turn in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(turn, dict):
+            raise InvalidRequest(f"'{where}' must be an object", param=where)
+        unknown(turn, frozenset({"role", "content"}), where)
+        role, content = turn.get("role"), turn.get("content")
+        if role not in ("user", "assistant", "system"):
+            raise InvalidRequest(f"'{where}.role' must be user, assistant or system",
+                                 param=f"{where}.role")
+        if isinstance(content, str) or role == "system":
+            out.append({"role": role, "content": texts(content, f"{where}.content")})
+        elif role == "assistant":
+            out.append(_assistant(content, f"{where}.content"))
+        else:
+            out.extend(_user(content, f"{where}.content"))
+    if raw[-1].get("role") == "assistant":
+        raise InvalidRequest("the last message is an assistant turn (a prefill): this server "
+                             "does not continue a turn; end with a user turn",
+                             param=f"messages[{len(raw) - 1}]")
+    return out
