@@ -57,7 +57,9 @@ class Output:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
-    stop: str = ""  # the stop sequence that ended it ("": none did)
+    # The stop sequence that ended it ("": none did). Not part of `same_answer`: it follows
+    # from the text and the request, and records stored before it was kept have none.
+    stop: str = ""
 
     @property
     def text(self) -> str:
@@ -87,8 +89,7 @@ FINISHED = frozenset({"stop", "length", "tool_calls"})
 def same_answer(a: Output, b: Output) -> bool:
     """Whether two outputs are the same answer: tokens, text, reasoning, calls, finish."""
     return (a.token_ids == b.token_ids and a.text == b.text and a.reasoning == b.reasoning
-            and a.tool_calls == b.tool_calls and a.finish_reason == b.finish_reason
-            and a.stop == b.stop)
+            and a.tool_calls == b.tool_calls and a.finish_reason == b.finish_reason)
 
 
 @dataclass(frozen=True, slots=True)

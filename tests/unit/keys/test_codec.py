@@ -263,3 +263,12 @@ def test_valid_checksum_over_a_non_record_is_corrupt(payload: bytes) -> None:
 def test_wrongly_typed_fields_are_corrupt(payload: bytes) -> None:
     with pytest.raises(CorruptRecord):
         decode(frame(payload))
+
+
+def test_the_stop_sequence_that_ended_an_answer_round_trips_and_costs_others_nothing() -> None:
+    chunks = (Chunk("The fox", (1, 2)),)
+    plain = Record(REQUEST, Output(chunks, "stop", 3, 2))
+    cut = Record(REQUEST, Output(chunks, "stop", 3, 2, stop=" eats"))
+    assert decode(encode(cut)).output.stop == " eats"
+    assert decode(encode(plain)).output.stop == ""
+    assert b"stop\xa5 eats" in encode(cut) and b"\xa4stop\xa5" not in encode(plain)

@@ -325,3 +325,13 @@ def test_any_text_streams_back_whole(tokenizer: Any, text: str, data: st.DataObj
     decoded = tokenizer.decode(ids)
     if stop in decoded:
         assert text_of(stream(tokenizer, ids, (stop,))) == decoded[: decoded.find(stop)]
+
+
+def test_the_stop_sequence_that_cut_the_answer_is_named() -> None:
+    assembler = Assembler((" eats", "fish"))
+    for i, piece in enumerate(["The", " fox", " eats", " fish"]):
+        assembler.add(i, piece, None)
+    assert assembler.stopped and assembler.matched == " eats"
+    free = Assembler((" eats",))
+    free.add(0, "The fox", None)
+    assert not free.stopped and free.matched == ""

@@ -152,7 +152,8 @@ def turns(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         else:
             out.extend(_user(content, f"{where}.content"))
     if raw[-1].get("role") == "assistant":
-        raise InvalidRequest("the last message is an assistant turn (a prefill): this server "
-                             "does not continue a turn; end with a user turn",
-                             param=f"messages[{len(raw) - 1}]")
+        last = f"messages[{len(raw) - 1}]"
+        raise InvalidRequest(f"'{last}' is an assistant turn to continue (a prefill): this "
+                             "server does not continue a turn; end with a user turn",
+                             param=last)
     return out

@@ -1,0 +1,137 @@
+"""A Messages body keys as the chat body that asks for the same answer; each field is applied,
+passed (never keyed) or refused by name; Anthropic's thinking and effort reach the template's
+switch as chat's reasoning_effort does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cacheproxy.edge.apis.messages.request import parse_messages
+from cacheproxy.errors import InvalidRequest
+from cacheproxy.keys.canonical import Parsed, RunnerDefaults, parse
+from cacheproxy.keys.key import make_key
+from policies.sampling import SamplingMode
+
+DEFAULTS = RunnerDefaults(model_id="demo", aliases=frozenset(), max_tokens=256,
+                          max_tokens_cap=4096, context_length=512, tool_calling=True,
+                          tool_format="json_tools", grammar_engine="llguidance 1.9.1",
+                          template_kwargs={"enable_thinking": True})
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+ASK = {"role": "user", "content": "What is the weather in Paris?"}
+
+
+def messages(**body: Any) -> Parsed:
+    return parse_messages({"model": "demo", "max_tokens": 64, "messages": [ASK], **body},
+                          DEFAULTS, SamplingMode.FORCE_GREEDY)
+
+
+def chat(**body: Any) -> Parsed:
+    return parse({"model": "demo", "max_tokens": 64, "messages": [ASK], **body}, "chat",
+                 DEFAULTS, SamplingMode.FORCE_GREEDY)
+
+
+def key(parsed: Parsed) -> str:
+    return make_key(parsed.request, "fp").request_hash
+
+
+def test_a_conversation_with_tools_keys_as_its_chat_twin() -> None:
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+            "input": {"city": "Paris"}, "cache_control": {"type": "ephemeral"}}
+    history = [ASK, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "I look it up.", "signature": "sig"},
+        {"type": "text", "text": "Let me see."}, call]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+                {"type": "text", "text": "foggy"}]},
+            {"type": "text", "text": "And tomorrow?"}]}]
+    ours = messages(system=[{"type": "text", "text": "Be brief.",
+                             "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+                    messages=history, stop_sequences=["END"],
+                    tools=[{"name": "get_weather", "input_schema": SCHEMA,
+                            "cache_control": {"type": "ephemeral"}}],
+                    tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                    metadata={"user_id": "u1"}, service_tier="auto", speed="fast",
+                    inference_geo="us", user_profile_id="p", workspace_id="w",
+                    diagnostics={"previous_message_id": None})
+    twin = chat(messages=[
+        {"role": "system", "content": "Be brief."}, ASK,
+        {"role": "assistant", "content": "Let me see.", "reasoning_content": "I look it up.",
+         "tool_calls": [{"id": "toolu_1", "type": "function", "function": {
+             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "foggy"},
+        {"role": "user", "content": "And tomorrow?"}],
+        stop=["END"], tools=[{"type": "function", "function": {
+            "name": "get_weather", "parameters": SCHEMA}}],
+        tool_choice="required", parallel_tool_calls=False)
+    assert ours.request == twin.request and key(ours) == key(twin)
+    assert ours.delivery.api == "messages"
+    # Control: the same conversation with the call answered as an error is another entry.
+    history[2]["content"][0]["is_error"] = True
+    assert key(messages(messages=history, tools=[{"name": "get_weather",
+                                                  "input_schema": SCHEMA}])) != key(ours)
+
+
+@pytest.mark.parametrize(("thinking", "effort", "kwargs"), [
+    (None, None, {}),
+    ({"type": "enabled", "budget_tokens": 32}, None, {"enable_thinking": True}),
+    ({"type": "adaptive"}, None, {"enable_thinking": True}),
+    ({"type": "disabled"}, None, {"enable_thinking": False}),
+    (None, "high", {"reasoning_effort": "high"}),
+    (None, "max", {"reasoning_effort": "xhigh"}),
+])
+def test_thinking_and_effort_are_the_templates_switch_as_in_chat(
+    thinking: dict[str, Any] | None, effort: str | None, kwargs: dict[str, Any]
+) -> None:
+    ours = messages(thinking=thinking, output_config={"effort": effort} if effort else None)
+    effort_of = kwargs.pop("reasoning_effort", None)
+    twin = chat(chat_template_kwargs=kwargs or None, reasoning_effort=effort_of)
+    assert ours.request == twin.request
+
+
+def test_disabled_thinking_with_an_effort_keeps_the_level_for_the_template() -> None:
+    ours = messages(thinking={"type": "disabled"}, output_config={"effort": "low"})
+    assert ours.request.template_kwargs == '{"enable_thinking":false,"reasoning_effort":"low"}'
+
+
+def test_output_format_is_a_json_schema_response_format() -> None:
+    form = {"type": "json_schema", "schema": SCHEMA}
+    twin = chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "anything", "schema": SCHEMA}})
+    assert messages(output_config={"format": form}).request == twin.request
+    assert messages(output_format=form).request == twin.request  # the older beta field
+
+
+def test_max_tokens_is_required_and_capped_and_sampling_is_passed_on() -> None:
+    with pytest.raises(InvalidRequest) as missing:
+        parse_messages({"model": "demo", "messages": [ASK]}, DEFAULTS,
+                       SamplingMode.FORCE_GREEDY)
+    assert missing.value.param == "max_tokens"
+    assert messages(max_tokens=64000).request.max_tokens == 512  # the context: the most
+    sampled = parse_messages({"model": "demo", "max_tokens": 64, "messages": [ASK],
+                              "temperature": 1, "top_k": 5}, DEFAULTS, SamplingMode.SEEDED)
+    assert not sampled.sampling.decision.cacheable  # unseeded sampling, as in chat
+    assert messages().sampling.sampling.is_greedy  # no temperature: greedy, as in chat
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"top_a": 1}, "top_a"),
+    ({"container": "c1"}, "container"),
+    ({"mcp_servers": [{"name": "x"}]}, "mcp_servers"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"name": "f", "input_schema": SCHEMA, "input_examples": [{}]}]},
+     "tools[0].input_examples"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages[0].content[0].type"),
+    ({"messages": [ASK, {"role": "assistant", "content": "The weather is"}]}, "messages[1]"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 64}}, "thinking.budget_tokens"),
+    ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
+    ({"service_tier": "priority"}, "service_tier"),
+    ({"temperature": 1.5}, "temperature"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice"),
+])
+def test_what_cannot_be_honoured_is_refused_by_name(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        messages(**body)
+    assert refused.value.param == param and param.split(".")[0] in refused.value.message
