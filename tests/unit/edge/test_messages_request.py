@@ -130,6 +130,10 @@ def test_max_tokens_is_required_and_capped_and_sampling_is_passed_on() -> None:
     ({"service_tier": "priority"}, "service_tier"),
     ({"temperature": 1.5}, "temperature"),
     ({"tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"tools": [{"name": "get weather", "input_schema": SCHEMA}]}, "tools[0].name"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_9", "content": "x"}]}]},
+     "messages[0].content[0].tool_use_id"),
 ])
 def test_what_cannot_be_honoured_is_refused_by_name(body: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as refused:

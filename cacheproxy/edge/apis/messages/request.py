@@ -25,7 +25,7 @@ from cacheproxy.edge.apis.messages.turns import turns, unknown
 from cacheproxy.errors import InvalidRequest, Unsupported
 from cacheproxy.keys import fields
 from cacheproxy.keys.canonical import Parsed, RunnerDefaults, parse
-from cacheproxy.keys.tools import check_schema
+from cacheproxy.keys.tools import NAME, check_schema
 from policies.sampling import SamplingMode
 
 # Fields that change nothing in the answer: accepted, validated, never keyed.
@@ -85,6 +85,9 @@ def _tool(raw: object, where: str) -> dict[str, Any]:
         raise Unsupported(f"'{where}.allowed_callers' other than direct is not supported",
                           param=f"{where}.allowed_callers")
     fields.boolean(raw, "eager_input_streaming", False)  # each call is streamed whole anyway
+    if not isinstance(raw.get("name"), str) or not NAME.fullmatch(raw["name"]):
+        raise InvalidRequest(f"'{where}.name' must be 1 to 64 letters, digits, '_' or '-'",
+                             param=f"{where}.name")
     check_schema(raw.get("input_schema"), f"{where}.input_schema")
     function = {k: raw[k] for k in ("name", "description", "strict") if raw.get(k) is not None}
     return {"type": "function", "function": {**function, "parameters": raw["input_schema"]}}

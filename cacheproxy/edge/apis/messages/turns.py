@@ -61,7 +61,7 @@ def texts(raw: object, where: str) -> str | list[dict[str, Any]]:
     return out
 
 
-def _assistant(raw: object, where: str) -> dict[str, Any]:
+def _assistant(raw: object, where: str, seen: set[str]) -> dict[str, Any]:
     parts: list[dict[str, Any]] = []
     calls, thought = [], ""
     for j, block in enumerate(_blocks(raw, where)):
@@ -74,7 +74,7 @@ def _assistant(raw: object, where: str) -> dict[str, Any]:
                 raise InvalidRequest(f"'{at}.thinking' must be a string", param=f"{at}.thinking")
             thought += block["thinking"]
         elif kind == "tool_use":
-            calls.append(_tool_use(block, at))
+            calls.append(_tool_use(block, at, seen))
         else:
             raise Unsupported(f"'{at}.type' {kind!r} is not supported in an assistant turn "
                               "(text, thinking, tool_use)", param=f"{at}.type")
@@ -86,7 +86,7 @@ def _assistant(raw: object, where: str) -> dict[str, Any]:
     return turn
 
 
-def _tool_use(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+def _tool_use(block: Mapping[str, Any], where: str, seen: set[str]) -> dict[str, Any]:
     unknown(block, frozenset({"type", "id", "name", "input", "cache_control", "caller"}),
              where)
     if block.get("caller") not in (None, {"type": "direct"}):
@@ -94,17 +94,24 @@ def _tool_use(block: Mapping[str, Any], where: str) -> dict[str, Any]:
                           param=f"{where}.caller")
     if not isinstance(block.get("input"), dict):
         raise InvalidRequest(f"'{where}.input' must be an object", param=f"{where}.input")
-    return {"id": block.get("id"), "type": "function",
+    call_id = block.get("id")
+    if not isinstance(call_id, str) or not call_id or call_id in seen:
+        raise InvalidRequest(f"'{where}.id' must be a string no other tool_use block has",
+                             param=f"{where}.id")
+    if not isinstance(block.get("name"), str):
+        raise InvalidRequest(f"'{where}.name' must be a string", param=f"{where}.name")
+    seen.add(call_id)
+    return {"id": call_id, "type": "function",
             "function": {"name": block.get("name"), "arguments": block["input"]}}
 
 
-def _user(raw: object, where: str) -> list[dict[str, Any]]:
+def _user(raw: object, where: str, seen: set[str]) -> list[dict[str, Any]]:
     """A user turn's blocks: each tool_result a tool turn, each run of text a user turn."""
     out: list[dict[str, Any]] = []
     for j, block in enumerate(_blocks(raw, where)):
         at, kind = f"{where}[{j}]", block["type"]
         if kind == "tool_result":
-            out.append(_tool_result(block, at))
+            out.append(_tool_result(block, at, seen))
         elif kind == "text":
             if not out or out[-1]["role"] != "user":
                 out.append({"role": "user", "content": []})
@@ -117,9 +124,12 @@ def _user(raw: object, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+def _tool_result(block: Mapping[str, Any], where: str, seen: set[str]) -> dict[str, Any]:
     unknown(block, frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}),
-             where)
+            where)
+    if block.get("tool_use_id") not in seen:
+        raise InvalidRequest(f"'{where}.tool_use_id' answers no earlier tool_use block",
+                             param=f"{where}.tool_use_id")
     content = block.get("content")
     joined = "" if content is None else texts(content, f"{where}.content")
     text = joined if isinstance(joined, str) else "".join(p["text"] for p in joined)
@@ -136,6 +146,7 @@ def turns(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise InvalidRequest("'messages' must be a non-empty list", param="messages")
+    seen: set[str] = set()  # the ids of the tool_use blocks so far
     for i, turn in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(turn, dict):
@@ -148,9 +159,9 @@ def turns(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         if isinstance(content, str) or role == "system":
             out.append({"role": role, "content": texts(content, f"{where}.content")})
         elif role == "assistant":
-            out.append(_assistant(content, f"{where}.content"))
+            out.append(_assistant(content, f"{where}.content", seen))
         else:
-            out.extend(_user(content, f"{where}.content"))
+            out.extend(_user(content, f"{where}.content", seen))
     if raw[-1].get("role") == "assistant":
         last = f"messages[{len(raw) - 1}]"
         raise InvalidRequest(f"'{last}' is an assistant turn to continue (a prefill): this "
