@@ -65,3 +65,12 @@ def test_omitted_thinking_keeps_its_blocks_and_signatures_without_the_text() -> 
     assert [b["thinking"] for b in whole["content"] if b["type"] == "thinking"] == ["", ""]
     assert streamed(omitted, output)["content"] == whole["content"]
     assert b"thinking_delta" not in whole_stream(omitted, output)
+
+
+def test_a_failure_after_the_stream_began_is_an_error_event_in_anthropics_shape() -> None:
+    from cacheproxy.edge.apis.messages.render import MessagesStream
+    from cacheproxy.errors import GenerationTimeout
+
+    event = MessagesStream(frame()).error(GenerationTimeout("the generation took over 300 s"))
+    assert event == (b'event: error\ndata: {"type":"error","error":{"type":"timeout_error",'
+                     b'"message":"the generation took over 300 s"}}\n\n')
