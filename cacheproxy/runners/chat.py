@@ -81,6 +81,13 @@ def chat_prompt(tokenizer: Any, request: CanonicalRequest) -> ChatPrompt:
     return ChatPrompt(ids, "", initial)
 
 
+def prompt_length(tokenizer: Any, request: CanonicalRequest) -> int:
+    """The tokens of the prompt `request` is generated from (chat or text completion)."""
+    if request.endpoint == "chat":
+        return len(chat_prompt(tokenizer, request).ids)
+    return len(tokenizer.encode(request.prompt, add_special_tokens=True))
+
+
 def _forced(tokenizer: Any, request: CanonicalRequest, messages: list[dict[str, Any]],
             tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> ChatPrompt:
     name = request.tool_name or request.tools[0].name

@@ -24,7 +24,7 @@ from cacheproxy.keys.digests import DigestMemo
 from cacheproxy.runners import decoding, prefix
 from cacheproxy.runners.assembler import Assembler
 from cacheproxy.runners.base import Finished, Generation, Prefill, failure
-from cacheproxy.runners.chat import ChatPrompt, ChatSplit, chat_prompt
+from cacheproxy.runners.chat import ChatPrompt, ChatSplit, chat_prompt, prompt_length
 from cacheproxy.runners.constrain import Grammars, constraint_for
 from cacheproxy.runners.mlx_load import (
     PREFILL_STEP,
@@ -133,7 +133,7 @@ class MlxRunner:
 
     def prompt_tokens(self, request: CanonicalRequest) -> int:
         """The length of the prompt `request` is generated from (the loaded tokenizer)."""
-        return len(self._prompt(self.tokenizer, request)[0].ids)
+        return prompt_length(self.tokenizer, request)
 
     def lane_state(self) -> dict[str, float | int]:
         """Queued jobs, whether one is generating, the slots' figures (with S > 1) and the

@@ -32,6 +32,7 @@ from cacheproxy.keys.canonical import CanonicalRequest, RunnerDefaults
 from cacheproxy.keys.codec import Output
 from cacheproxy.keys.digests import DigestMemo
 from cacheproxy.runners.base import Failed, Finished, Generation, failure
+from cacheproxy.runners.chat import prompt_length
 from cacheproxy.runners.pool import Member, Pool, Retry, pick
 from cacheproxy.runners.upstream_http import UpstreamClient
 from cacheproxy.runners.upstream_model import ModelFiles, UpstreamOptions, read_model_files
@@ -113,6 +114,10 @@ class UpstreamRunner:
         if self._fingerprint is None:
             raise RuntimeError("runner not started")
         return self._fingerprint
+
+    def prompt_tokens(self, request: CanonicalRequest) -> int:
+        """The prompt's length as the upstream renders and tokenizes it (the same files)."""
+        return prompt_length(self._current().tokenizer, request)
 
     def lane_state(self) -> dict[str, object]:
         """queued, busy and lanes over the pool, each upstream's state, the counters."""

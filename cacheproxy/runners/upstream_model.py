@@ -8,8 +8,9 @@ the upstreams' `system_fingerprint` (filled in by the runner).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cacheproxy.keys import fingerprint as fp
 from cacheproxy.keys.canonical import RunnerDefaults
@@ -44,6 +45,8 @@ class ModelFiles:
     defaults: RunnerDefaults
     snapshot: Snapshot
     call_markers: tuple[str, str] = ("", "")  # the template's tool-call opening and closing
+    # The tokenizer as mlx_lm.server loads it (count_tokens renders prompts with it).
+    tokenizer: Any = field(default=None, compare=False, repr=False)
 
 
 def read_model_files(options: UpstreamOptions, memo: DigestMemo) -> ModelFiles:
@@ -74,4 +77,4 @@ def read_model_files(options: UpstreamOptions, memo: DigestMemo) -> ModelFiles:
     if snapshot(model_dir) != before:
         raise ModelChanging(f"the files of {model_dir} changed while fingerprinting")
     markers = (tokenizer.tool_call_start or "", tokenizer.tool_call_end or "")
-    return ModelFiles(files, defaults, before, markers)
+    return ModelFiles(files, defaults, before, markers, tokenizer)

@@ -366,6 +366,24 @@ async def test_the_responses_api_through_an_upstream_shares_the_chat_entry(
     assert third[2]["output"] == first[2]["output"]
 
 
+async def test_the_messages_api_through_an_upstream_shares_the_chat_entry_and_counts_tokens(
+    upstreams: list[Upstream], start_proxy: Callable[..., Awaitable[UpProxy]]
+) -> None:
+    proxy = await start_proxy([upstreams[0].url])
+    ask = [{"role": "user", "content": "Where does the bear live?"}]
+    body = {"model": MODEL_ID, "messages": ask, "max_tokens": 40}
+    async with aiohttp.ClientSession() as session:
+        first = await _post(session, proxy.url + "/v1/messages", body)
+        second = await _post(session, proxy.url + CHAT, _chat("Where does the bear live?"))
+        count = await _post(session, proxy.url + "/v1/messages/count_tokens",
+                            {"model": MODEL_ID, "messages": ask})
+    assert (first[1], second[1]) == ("MISS", "HIT")
+    assert first[2]["content"][-1]["text"] == _content(second[2])
+    # What mlx_lm.server reported as the prompt is what count_tokens renders from its files.
+    assert count[2] == {"input_tokens": second[2]["usage"]["prompt_tokens"]}
+    assert first[2]["usage"]["input_tokens"] == count[2]["input_tokens"]
+
+
 async def test_pool_spreads_concurrent_misses(
     upstreams: list[Upstream], start_proxy: Callable[..., Awaitable[UpProxy]],
     relay: Callable[[str], Awaitable[Relay]],

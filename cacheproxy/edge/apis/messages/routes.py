@@ -29,8 +29,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     parsed = parse_messages(decode_body(raw), runner.defaults(), proxy.options.sampling,
                             max_tokens_cap=proxy.options.max_tokens_cap, counting=True)
     if not isinstance(runner, PromptCounter):
-        raise Unsupported("count_tokens needs the tokenizer in this process: an upstream "
-                          "server's prompts are not counted here")
+        raise Unsupported("this runner cannot count a prompt's tokens without generating")
     # A long prompt takes a while to render and tokenize: off the event loop.
     count = await asyncio.to_thread(runner.prompt_tokens, parsed.request)
     return json_response({"input_tokens": count})
