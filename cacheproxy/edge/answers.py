@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions, /v1/completions and /v1/responses: body -> service -> JSON/SSE.
+"""The POST routes of every API of the table (edge.apis): body -> service -> JSON/SSE.
 
 The service decides everything (status, reason, where the answer comes from); a handler
 only reads the body and renders what it gets back in its route's API: a remembered HIT, a
