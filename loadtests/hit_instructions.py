@@ -1,6 +1,7 @@
 """Benchmark: CPU instructions per repeated HIT, counted by callgrind, this tree against another.
 
     python loadtests/hit_instructions.py --vs /path/to/other/checkout [--stream] [--seeds 0,1]
+    python loadtests/hit_instructions.py --bare [--seeds 0,1]   # this tree vs the bare responder
 
 Wall-clock hit throughput on a shared VM moves by ±10 % between identical runs; the count of
 instructions the server executes per request does not (for one hash seed: PYTHONHASHSEED
@@ -9,6 +10,11 @@ seed and tree in turn it starts `python -m cacheproxy serve --store memory://` (
 PYTHONPATH) under `valgrind --tool=callgrind --instr-atstart=no`, primes a HIT, sends 200
 warm-up repeats, switches counting on (`callgrind_control -i on`), sends N repeats on one
 keep-alive connection, switches it off and dumps. Needs valgrind (Debian's package).
+
+With --bare the baseline is `bench_hit.py`'s bare aiohttp + uvloop responder answering the very
+bytes of this tree's HIT: the ratio bare / this tree is the instruction count's side of
+bench_hit's throughput ratio (user-space instructions only: the kernel's share of a request,
+the same socket read and write for both, is not counted, so this ratio is the lower of the two).
 """
 
 from __future__ import annotations
@@ -45,6 +51,25 @@ def _post(conn: http.client.HTTPConnection, body: bytes) -> str:
     return response.getheader("X-Cache") or ""
 
 
+def hit_body(stream: bool) -> bytes:
+    """The bytes of a HIT of BODY, from an in-process proxy of this tree (no valgrind)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "cacheproxy", "serve", "--port", str(port), "--store",
+           "memory://", "--no-watch"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
+    try:
+        _wait(port, proc, limit=120)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        body = json.dumps({**BODY, "stream": stream}).encode()
+        _post(conn, body)
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        return conn.getresponse().read()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
 def _wait(port: int, proc: subprocess.Popen[bytes], limit: float = 900) -> None:
     deadline = time.monotonic() + limit
     while True:
@@ -61,14 +86,20 @@ def _wait(port: int, proc: subprocess.Popen[bytes], limit: float = 900) -> None:
             time.sleep(1)
 
 
-def count(tree: Path, seed: int, requests: int, stream: bool, work: Path) -> int:
-    """Instructions per repeated HIT of the server in `tree`."""
-    port, out = _free_port(), work / f"cg-{tree.name}-{seed}-{stream}"
+def count(tree: Path, seed: int, requests: int, stream: bool, work: Path,
+          bare_body: Path | None = None, extra: tuple[str, ...] = ()) -> int:
+    """Instructions per repeated HIT of the server in `tree` (or, given `bare_body`, of the
+    bare responder answering those bytes)."""
+    port, out = _free_port(), work / f"cg-{tree.name}-{seed}-{stream}-{bare_body is None}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": str(seed),
            "PYTHONPATH": str(tree)}
+    server = ["-m", "cacheproxy", "serve", "--port", str(port), "--store", "memory://",
+              "--no-watch", "--max-connections", "100", *extra]
+    if bare_body is not None:
+        server = [str(ROOT / "loadtests" / "bench_hit.py"), "--_bare", str(port),
+                  str(bare_body), *(["--stream"] if stream else [])]
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
-           f"--callgrind-out-file={out}.%p", sys.executable, "-m", "cacheproxy", "serve",
-           "--port", str(port), "--store", "memory://", "--no-watch", "--max-connections", "100"]
+           f"--callgrind-out-file={out}.%p", sys.executable, *server]
     # valgrind refuses to change the open-file hard limit, which mlx-lm sets to 4096 on import.
     with (work / "server.log").open("ab") as log:
         proc = subprocess.Popen(["bash", "-c", "ulimit -Sn 4096; exec " + shlex.join(cmd)],
@@ -78,7 +109,7 @@ def count(tree: Path, seed: int, requests: int, stream: bool, work: Path) -> int
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         body = json.dumps({**BODY, "stream": stream}).encode()
         _post(conn, body)
-        if not _post(conn, body).startswith("HIT"):
+        if bare_body is None and not _post(conn, body).startswith("HIT"):
             raise RuntimeError("the second request was not a HIT")
         for _ in range(200):
             _post(conn, body)
@@ -107,23 +138,36 @@ def count(tree: Path, seed: int, requests: int, stream: bool, work: Path) -> int
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vs", type=Path, required=True, help="the other checkout (baseline)")
+    baseline = parser.add_mutually_exclusive_group(required=True)
+    baseline.add_argument("--vs", type=Path, help="the other checkout (baseline)")
+    baseline.add_argument("--bare", action="store_true",
+                          help="baseline: bench_hit.py's bare responder with this tree's HIT")
     parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--serve-args", default="", metavar="ARGS",
+                        help="more arguments for this tree's `cacheproxy serve` (shell words)")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--requests", type=int, default=1000)
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        bare_body = None
+        if args.bare:
+            bare_body = Path(tmp) / "hit_body"
+            bare_body.write_bytes(hit_body(args.stream))
         for seed in seeds:
-            base = count(args.vs.resolve(), seed, args.requests, args.stream, Path(tmp))
-            this = count(ROOT, seed, args.requests, args.stream, Path(tmp))
+            base = count(ROOT if args.bare else args.vs.resolve(), seed, args.requests,
+                         args.stream, Path(tmp), bare_body)
+            this = count(ROOT, seed, args.requests, args.stream, Path(tmp),
+                         extra=tuple(shlex.split(args.serve_args)))
             rows.append((seed, base, this))
     mode = "stream" if args.stream else "non-stream"
-    print(f"| {mode} | seed | baseline instr/HIT | this tree instr/HIT | this / baseline |")
-    print("|---|---:|---:|---:|---:|")
+    name = "bare responder" if args.bare else "baseline"
+    print(f"| {mode} | seed | {name} instr/HIT | this tree instr/HIT | this / {name} "
+          f"| {name} / this |")
+    print("|---|---:|---:|---:|---:|---:|")
     for seed, base, this in rows:
-        print(f"| {mode} | {seed} | {base} | {this} | {this / base:.3f} |")
+        print(f"| {mode} | {seed} | {base} | {this} | {this / base:.3f} | {base / this:.3f} |")
     return 0
 
 
