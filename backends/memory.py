@@ -55,7 +55,8 @@ class MemoryBackend:
 
     def peek(self, key: str) -> bytes | None:
         """get() without a coroutine: everything is held here, so None is a miss."""
-        self._check_open()
+        if self._closed:  # (_check_open() inlined: this is on every repeat HIT)
+            raise BackendError(f"{self!r} is closed")
         entry = self._entries.get(key)
         if entry is None:
             return None

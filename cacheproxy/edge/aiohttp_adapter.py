@@ -34,22 +34,26 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from email.utils import formatdate
 from functools import lru_cache
+from http import HTTPStatus
+from typing import Any
 
 import orjson
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion, HttpVersion10, HttpVersion11
 from aiohttp.web_protocol import RequestHandler
+from multidict import CIMultiDict
 
 from cacheproxy.errors import Overloaded
 
+_REASONS = {status.value: status.phrase for status in HTTPStatus}  # (as aiohttp's own)
 _SERVER = f"Server: {SERVER_SOFTWARE}\r\n".encode()
 # Bytes per write of a large body: the default high-water mark of asyncio's and uvloop's
 # transports (and aiohttp's StreamWriter drains past the same 64 KiB).
 PIECE = 64 << 10
 PRIVATE_ATTRIBUTES = {
     "StreamResponse": ("_eof_sent", "_cookies", "_compression", "_chunked", "_keep_alive",
-                       "_status", "_reason", "_headers", "_body_length"),
+                       "_status", "_reason", "_headers", "_body_length", "_state"),
     "BaseRequest": ("_prepare_hook",),
     "Server": ("connection_made", "connections"),
     "RequestHandler": ("_waiter", "force_close", "transport"),
@@ -129,11 +133,16 @@ class Rendered(web.StreamResponse):
     """
 
     request_id = ""
+    cache_log: dict[str, Any] | None = None  # the access line's cache fields, when known
 
     def __init__(self, head: bytes, body: Body, *, status: int = 200) -> None:
         if status < 200 or status in (204, 304):
             raise ValueError(f"a {status} response carries no body: not a Rendered one")
-        super().__init__(status=status)
+        # StreamResponse.__init__'s work for a response without headers, inline (a repeat
+        # HIT makes one of these per request)
+        self._state: dict[Any, Any] = {}
+        self._headers: CIMultiDict[str] = CIMultiDict()
+        self._status, self._reason = status, _REASONS.get(status, "")
         self._head = head
         self._rendered = body
 

@@ -14,13 +14,14 @@ from functools import partial
 from typing import Any, assert_never
 
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from cacheproxy.edge import render
 from cacheproxy.edge.aiohttp_adapter import Body, Rendered, forget_frames, header_lines
 from cacheproxy.edge.apis import APIS, Stream
+from cacheproxy.edge.render import ResponseIds
 from cacheproxy.edge.route import JSON, Handler
-from cacheproxy.edge.state import CACHE_LOG, IDENTITY, IDS, OPTIONS, ROUTER
+from cacheproxy.edge.state import CACHE_LOG, IDENTITY, HitPath
 from cacheproxy.errors import ClientGone, ProxyError, RequestTimeout, UnreadableBody
 from cacheproxy.keys.canonical import Parsed, Route
 from cacheproxy.keys.codec import Output
@@ -34,29 +35,28 @@ from policies.status import CacheStatus, Reason
 SSE = "text/event-stream"
 
 
-async def _complete(request: web.Request, endpoint: Route) -> web.StreamResponse:
-    app = request.app
-    raw = await read_body(request)
-    scope = request.get(IDENTITY, "") if app[OPTIONS].cache_scope == "per-key" else ""
-    router = app[ROUTER]
+async def _complete(request: web.Request, endpoint: Route, hot: HitPath) -> web.StreamResponse:
+    raw = await read_body(request, hot.options.body_timeout)
+    scope = request.get(IDENTITY, "") if hot.options.cache_scope == "per-key" else ""
+    router = hot.router
     proxy = router.default if router.single else router.route(raw, scope)  # (single: no call)
-    control = request.headers.get("Cache-Control")
+    control = request.headers.get(hdrs.CACHE_CONTROL)
     # Step 0 without a coroutine when it can (a repeat HIT held in this process), else all.
     recalled = proxy.recall(endpoint, raw, scope) if control is None else None
     answer: Answer = recalled or await proxy.answer(endpoint, raw, scope, control)
     match answer:
         case Repeat():
-            return _repeat_hit(request, answer, proxy.options.ttl)
+            return _repeat_hit(answer, proxy.options.ttl, hot.ids)
         case Stored():
             memo_key = (endpoint, scope, raw) if control is None else None
-            return _stored_hit(request, answer, proxy, memo_key)
+            return _stored_hit(request, answer, proxy, memo_key, hot.ids)
         case Flowing():
-            return await _flowing(request, answer, proxy.options.ttl)
+            return await _flowing(request, answer, proxy.options.ttl, hot.ids)
         case _:
             assert_never(answer)
 
 
-async def read_body(request: web.Request) -> bytes:
+async def read_body(request: web.Request, within: float) -> bytes:
     """The request body: taken as is when all of it has arrived (a small POST usually has),
     else read as aiohttp reads it, within --body-timeout (408 past it). Over client_max_size
     is a 413 either way; a body whose Content-Encoding does not decode is a 400; a client
@@ -66,12 +66,12 @@ async def read_body(request: web.Request) -> bytes:
         if content.is_eof():
             raw = content.read_nowait()
         else:
-            async with asyncio.timeout(request.app[OPTIONS].body_timeout):
+            async with asyncio.timeout(within):
                 raw = await request.read()
     except TimeoutError:
         content.feed_eof()
-        raise RequestTimeout(f"the request body did not arrive within "
-                             f"{request.app[OPTIONS].body_timeout:g} s") from None
+        raise RequestTimeout(f"the request body did not arrive within {within:g} s"
+                             ) from None
     except web.RequestPayloadError as exc:
         content.feed_eof()  # (read: aiohttp would read on after the answer, and fail again)
         raise UnreadableBody(f"the request body cannot be read ({exc}): its Content-Encoding "
@@ -85,10 +85,10 @@ async def read_body(request: web.Request) -> bytes:
     return raw
 
 
-def handler(route: Route) -> Handler:
-    """The POST handler of an API of the table (edge.apis): _complete with its route (a
-    partial, not one more coroutine per hit)."""
-    return partial(_complete, endpoint=route)
+def handler(route: Route, hot: HitPath) -> Handler:
+    """The POST handler of an API of the table (edge.apis): _complete with its route and the
+    app's hit-path state (a partial, not one more coroutine per hit)."""
+    return partial(_complete, endpoint=route, hot=hot)
 
 
 def _body_of(frame: render.Frame, output: Output) -> dict[str, Any]:
@@ -103,19 +103,22 @@ def _whole_stream(frame: render.Frame, output: Output) -> bytes:
     return APIS[frame.delivery.api].whole_stream(frame, output)
 
 
-def _repeat_hit(request: web.Request, repeat: Repeat, ttl: float | None) -> Rendered:
+def _repeat_hit(repeat: Repeat, ttl: float | None, ids: ResponseIds) -> Rendered:
     """A repeat of a request whose HIT is remembered: the same answer, nothing re-derived."""
-    request[CACHE_LOG] = repeat.log
     now = time.time()
     age = max(0.0, now - repeat.created_at)
-    control = response_cache_control(stored=True, ttl=ttl, age=age)
-    head = b"%bAge: %d\r\nCache-Control: %s\r\n" % (repeat.head, age, control.encode())
-    return Rendered(head, repeat.template.render(request.app[IDS].next(repeat.endpoint),
-                                                 int(now)))
+    if ttl is None:  # Cache-Control does not change with age: it is in the head
+        head = b"%bAge: %d\r\n" % (repeat.head, age)
+    else:
+        control = response_cache_control(stored=True, ttl=ttl, age=age)
+        head = b"%bAge: %d\r\nCache-Control: %s\r\n" % (repeat.head, age, control.encode())
+    rendered = Rendered(head, repeat.template.render(ids.next(repeat.endpoint), int(now)))
+    rendered.cache_log = repeat.log  # (the access line's fields: no request[...] round trip)
+    return rendered
 
 
 def _stored_hit(request: web.Request, hit: Stored, proxy: CachingProxy,
-                memo_key: RepeatKey | None) -> Rendered:
+                memo_key: RepeatKey | None, ids: ResponseIds) -> Rendered:
     """A HIT of the full path: rendered once per record and delivery, remembered for the
     repeats of the same body (`memo_key`, None under Cache-Control)."""
     info = request[CACHE_LOG] = _log_fields(hit.status, hit.reason, hit.key.short,
@@ -128,13 +131,14 @@ def _stored_hit(request: web.Request, hit: Stored, proxy: CachingProxy,
                              stores=True, age=hit.age, ttl=proxy.options.ttl)
     template = _hit_template(proxy, hit)
     if memo_key is not None:
-        fixed = [(k, v) for k, v in headers.items() if k not in ("Age", "Cache-Control")]
+        changing = ("Age", "Cache-Control") if proxy.options.ttl is not None else ("Age",)
+        fixed = [(k, v) for k, v in headers.items() if k not in changing]
         proxy.remember(memo_key, Repeat(
             fingerprint=hit.serving, key=hit.key, data=hit.data, endpoint=memo_key[0],
             created_at=float(hit.record.provenance.get("created_at", 0.0)), template=template,
             head=header_lines([*fixed, ("Content-Type", template.content_type)]),
             log=SharedFields(info)))
-    body = template.render(request.app[IDS].next(hit.parsed.delivery.api), int(time.time()))
+    body = template.render(ids.next(hit.parsed.delivery.api), int(time.time()))
     return Rendered(header_lines([*headers.items(), ("Content-Type", template.content_type)]),
                     body)
 
@@ -153,12 +157,12 @@ def _hit_template(proxy: CachingProxy, hit: Stored) -> Template:
     return proxy.memos.templates.get(memo_key, record, draw)
 
 
-async def _flowing(request: web.Request, answer: Flowing, ttl: float | None
-                   ) -> web.StreamResponse:
+async def _flowing(request: web.Request, answer: Flowing, ttl: float | None,
+                   ids: ResponseIds) -> web.StreamResponse:
     """An answer through a flight: relayed live (stream) or sent once it ends."""
     info = request[CACHE_LOG] = _log_fields(answer.status, answer.reason, answer.key.short,
                                             answer.parsed.request.model)
-    frame = _frame(answer.parsed, answer.fingerprint, answer.key, request.app[IDS].next(
+    frame = _frame(answer.parsed, answer.fingerprint, answer.key, ids.next(
         answer.parsed.delivery.api), int(time.time()), cached=answer.status is CacheStatus.HIT)
     flight = answer.flight
     if answer.parsed.delivery.stream:

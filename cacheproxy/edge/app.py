@@ -35,6 +35,7 @@ from cacheproxy.edge.state import (
     ROUTER,
     STARTED,
     EdgeOptions,
+    HitPath,
     Served,
 )
 from cacheproxy.errors import ExpectationFailed, PayloadTooLarge, ProxyError
@@ -56,13 +57,14 @@ def create_app(options: EdgeOptions, parts: Parts) -> web.Application:
     app[STARTED] = time.time()
     app[IDS] = ResponseIds(ID_HEADS)
     app[METRICS] = metrics = Metrics()
+    hot = HitPath(options, app[IDS])
     app.cleanup_ctx.append(_fold_tally)
-    app.cleanup_ctx.append(_lifecycle(parts))
-    _add_routes(app, options, metrics)
+    app.cleanup_ctx.append(_lifecycle(parts, hot))
+    _add_routes(app, options, metrics, hot)
     return app
 
 
-def _lifecycle(parts: Parts) -> Callable[[web.Application], AsyncIterator[None]]:
+def _lifecycle(parts: Parts, hot: HitPath) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         async with parts() as served:
             app[PROXY], app[INVALIDATOR] = served[0]
@@ -72,7 +74,8 @@ def _lifecycle(parts: Parts) -> Callable[[web.Application], AsyncIterator[None]]
                 for name in (defaults.model_id, *sorted(defaults.aliases)):
                     models.setdefault(name, Served(proxy, invalidator))
             app[MODELS] = models
-            app[ROUTER] = Router({name: s.proxy for name, s in models.items()}, app[PROXY])
+            app[ROUTER] = hot.router = Router({name: s.proxy for name, s in models.items()},
+                                              app[PROXY])
             yield
 
     return ctx
@@ -113,7 +116,8 @@ def _status_guard(options: EdgeOptions, keys: tuple[bytes, ...]) -> dict[str, An
     return {}
 
 
-def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics) -> None:
+def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics,
+                hot: HitPath) -> None:
     keys = tuple(k.encode() for k in options.api_keys)
 
     limits = Limits(options.max_in_flight)
@@ -131,7 +135,7 @@ def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics) ->
 
     api = api_options()
     routes: list[tuple[str, str, Handler, dict[str, Any]]] = [
-        ("POST", path, answers.handler(name), api_options(entry))
+        ("POST", path, answers.handler(name, hot), api_options(entry))
         for name, entry in APIS.items() for path in entry.paths]
     routes += [
         ("POST", "/v1/messages/count_tokens", messages.count_tokens,

@@ -51,13 +51,13 @@ class ResponseIds:
     """Unique response ids without a uuid4 per response: a random prefix and a counter."""
 
     def __init__(self, heads: Mapping[Route, str]) -> None:
-        self._heads = heads
-        self._prefix = os.urandom(6).hex()
+        prefix = os.urandom(6).hex()
+        self._heads = {route: head + prefix for route, head in heads.items()}
         self._counter = itertools.count()
 
     def next(self, route: Route) -> str:
         """The API's head (`chatcmpl-`, `resp_`, `msg_`...), a prefix and a counter."""
-        return f"{self._heads[route]}{self._prefix}{next(self._counter):012x}"
+        return f"{self._heads[route]}{next(self._counter):012x}"
 
 
 def sse(events: list[dict[str, Any]]) -> bytes:

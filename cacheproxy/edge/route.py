@@ -125,10 +125,12 @@ def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
                 limits.in_flight -= 1
         if type(response) is Rendered:
             response.request_id = request_id
-        elif not response.prepared:
-            response.headers[X_REQUEST_ID] = request_id
+            info = response.cache_log or request.get(CACHE_LOG, {})
+        else:
+            if not response.prepared:
+                response.headers[X_REQUEST_ID] = request_id
+            info = request.get(CACHE_LOG, {})
         seconds = time.monotonic() - started
-        info = request.get(CACHE_LOG, {})
         status = response.status
         total_ms = int(seconds * 100_000 + 0.5) / 100  # round(x, 2) costs four times this
         access(request_id, request.method, fixed_path or request.path, status, total_ms, info)

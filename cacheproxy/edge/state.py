@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -29,6 +29,16 @@ class EdgeOptions:
     bound_host: str = ""
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class HitPath:
+    """What the answer routes read on every request, held by the routes themselves: on a
+    repeat HIT each `request.app[KEY]` cost two property calls and a method call."""
+
+    options: EdgeOptions
+    ids: ResponseIds
+    router: Router[CachingProxy] = field(init=False)  # set when the app starts (ROUTER too)
 
 
 @dataclass(frozen=True, slots=True)

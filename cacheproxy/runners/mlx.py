@@ -114,7 +114,10 @@ class MlxRunner:
 
     def fingerprint(self) -> fp.Fingerprint:
         """The pinned tuple of the loaded model; valid after start()."""
-        return self._current().fingerprint
+        loaded = self._loaded  # (_current() inlined: this is on every repeat HIT)
+        if loaded is None:
+            raise RuntimeError("runner not started")
+        return loaded.fingerprint
 
     @property
     def tokenizer(self) -> Any:

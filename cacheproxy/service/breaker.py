@@ -26,6 +26,8 @@ class Breaker:
         self._clock = clock
         self._open_until = 0.0
         self._probing = False
+        # Every call goes to the store (an attribute, not a property: read on every repeat HIT).
+        self.closed = True
 
     @property
     def state(self) -> str:
@@ -33,11 +35,6 @@ class Breaker:
         if self._open_until == 0.0:
             return "closed"
         return "open" if self._clock() < self._open_until else "half-open"
-
-    @property
-    def closed(self) -> bool:
-        """Every call goes to the store."""
-        return self._open_until == 0.0
 
     def allow(self) -> None:
         """Raise StoreUnavailable unless a call may go to the store now."""
@@ -49,7 +46,7 @@ class Breaker:
 
     def succeeded(self) -> None:
         """The call worked: close the breaker."""
-        self._open_until, self._probing = 0.0, False
+        self._open_until, self._probing, self.closed = 0.0, False, True
 
     def abandoned(self) -> None:
         """The call ended without a verdict (cancelled): let another call probe."""
@@ -58,3 +55,4 @@ class Breaker:
     def failed(self) -> None:
         """The call failed: open the breaker for the cooldown."""
         self._open_until, self._probing = self._clock() + self._cooldown, False
+        self.closed = False

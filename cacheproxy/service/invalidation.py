@@ -78,6 +78,8 @@ class Invalidator:
         self._heartbeat: asyncio.Task[None] | None = None
         self._open = asyncio.Event()
         self._open.set()
+        # No reload is holding requests (the event's own method: read on every repeat HIT).
+        self.is_open: Callable[[], bool] = self._open.is_set
         self._watcher: asyncio.Task[None] | None = None
         self._purges: set[asyncio.Task[None]] = set()
         self.counters = {"reloads": 0, "reload_failures": 0, "fingerprint_changes": 0,
@@ -92,10 +94,6 @@ class Invalidator:
             watcher = ModelWatcher(self._runner.model_dir, lambda: self._runner.loaded_snapshot,
                                    self.reload, interval=watch_interval)
             self._watcher = asyncio.create_task(watcher.run())
-
-    def is_open(self) -> bool:
-        """No reload is holding requests."""
-        return self._open.is_set()
 
     async def wait_ready(self) -> None:
         """Let a request through, or hold it while a reload runs (503 after reload_wait)."""
