@@ -22,19 +22,16 @@ from tests.harness.processes import openblas_env, serving
 
 pytestmark = pytest.mark.xdist_group("codex")
 KEY = "sk-local-codex"
-CONFIG = """\
-model = "agent"
-model_provider = "cacheproxy"
-web_search = "disabled"
-model_reasoning_effort = "none"
-check_for_update_on_startup = false
+README = Path(__file__).resolve().parents[2] / "README.md"
 
-[model_providers.cacheproxy]
-name = "cacheproxy"
-base_url = "{url}/v1"
-wire_api = "responses"
-env_key = "CACHEPROXY_API_KEY"
-"""
+
+def _readme_config(url: str) -> str:
+    """The README's config.toml for Codex, pointed at this proxy (so the two never part)."""
+    text = README.read_text().split("### Codex CLI", 1)[1]
+    block = text.split("```toml\n", 1)[1].split("```", 1)[0]
+    assert "http://127.0.0.1:8080/v1" in block
+    # (Offline: no update check; a root key, so before the tables.)
+    return "check_for_update_on_startup = false\n" + block.replace("http://127.0.0.1:8080", url)
 
 
 def _codex() -> str:
@@ -76,7 +73,7 @@ def test_codex_exec_completes_and_its_rerun_is_a_hit(tmp_path: Path) -> None:
     with serving("--model", str(model), "--model-id", "agent", "--store", "memory://",
                  "--no-watch", "--api-key", KEY, "--log-format", "json",
                  env=openblas_env(), output=output) as url:
-        (home / "config.toml").write_text(CONFIG.format(url=url))
+        (home / "config.toml").write_text(_readme_config(url))
         runs = [_exec(codex, home, repo, tmp_path / f"answer-{i}.txt") for i in (1, 2)]
         # The control, and what the README says of hit rates: Codex writes the working
         # directory into its prompt, so the same task in another checkout is another entry.
