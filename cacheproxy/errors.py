@@ -243,6 +243,15 @@ class UpstreamUnavailable(ProxyError):
     code = "upstream_unavailable"
 
 
+class SchemaViolated(ProxyError):
+    """An answer the upstream generated does not hold to the schema its request asked for
+    (upstream mode checks it: nothing there constrains decoding); it is not stored."""
+
+    status = 502
+    type = "server_error"
+    code = "schema_violated"
+
+
 class UpstreamTimeout(GenerationTimeout):
     """The upstream server went silent for longer than the upstream timeout."""
 

@@ -250,6 +250,8 @@ def _cache_headers(status: CacheStatus, reason: Reason, key: str, fingerprint: s
     headers["Cache-Control"] = response_cache_control(stored=stores, ttl=ttl, age=age)
     if parsed.sampling.rewritten:
         headers["X-Cache-Sampling"] = "rewritten-to-greedy"
+    if parsed.schema_guarantee:  # enforced (constrained decoding) or validated (upstream)
+        headers["X-Cache-Schema"] = parsed.schema_guarantee
     return headers
 
 

@@ -46,6 +46,9 @@ class RunnerDefaults:
     tool_calling: bool = False  # mlx-lm knows how to parse this model's tool calls
     tool_format: str = ""  # mlx-lm's tool parser for it ("json_tools": JSON calls)
     grammar_engine: str = ""  # what constrains decoding ("": nothing can, as upstream)
+    # Without a grammar engine, whether the runner checks a structured answer against its
+    # schema instead (upstream mode: a violating answer is an error, never stored).
+    validates_schemas: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +140,9 @@ class Parsed:
     request: CanonicalRequest
     delivery: Delivery
     sampling: SamplingOutcome
+    # For a structured request (response_format, strict tools), how its schema holds:
+    # "enforced" by constrained decoding, or "validated" after the fact (upstream mode).
+    schema_guarantee: str = ""
 
 
 def _prompt(body: Mapping[str, Any]) -> str:
@@ -263,15 +269,16 @@ def _structured(body: Mapping[str, Any], offered: tuple[Tool, ...],
     enforceable by this runner."""
     form = grammar.response_format(body)
     strict = any(t.strict for t in offered)
-    if (form or strict) and not defaults.grammar_engine:
+    if (form or strict) and not (defaults.grammar_engine or defaults.validates_schemas):
         param = "response_format" if form else "tools"
-        raise Unsupported("this runner cannot constrain decoding (mlx_lm.server ignores "
-                          "response_format), so it cannot guarantee the schema", param=param)
+        raise Unsupported("this runner can neither constrain decoding nor check answers, so "
+                          "it cannot guarantee the schema", param=param)
     if form and offered:
         raise Unsupported("'response_format' together with tools is not supported: the answer "
                           "would have to be either a call or the format", param="response_format")
     if strict:
-        if defaults.tool_format != "json_tools":
+        # (Validated answers take any call format mlx-lm parses: only a grammar needs JSON.)
+        if defaults.grammar_engine and defaults.tool_format != "json_tools":
             raise Unsupported("strict tools need a model whose tool calls are JSON objects "
                               f"(mlx-lm's json_tools format; this one: {defaults.tool_format})",
                               param="tools")
@@ -352,4 +359,6 @@ def _parse(body: object, endpoint: Endpoint, defaults: RunnerDefaults, mode: Sam
         legacy_functions=legacy,
         api=endpoint,
     )
-    return Parsed(request, delivery, outcome)
+    structured = request.response_format or any(t.strict for t in request.tools)
+    guarantee = ("enforced" if defaults.grammar_engine else "validated") if structured else ""
+    return Parsed(request, delivery, outcome, guarantee)

@@ -26,10 +26,17 @@ from pathlib import Path
 import orjson
 import structlog
 
-from cacheproxy.errors import GenerationFailed, Overloaded, Unsupported, UpstreamUnavailable
+from cacheproxy.errors import (
+    GenerationFailed,
+    Overloaded,
+    SchemaViolated,
+    Unsupported,
+    UpstreamUnavailable,
+)
 from cacheproxy.keys import fingerprint as fp
 from cacheproxy.keys.canonical import CanonicalRequest, RunnerDefaults
 from cacheproxy.keys.codec import Output
+from cacheproxy.keys.conformance import violation
 from cacheproxy.keys.digests import DigestMemo
 from cacheproxy.runners.base import Failed, Finished, Generation, failure
 from cacheproxy.runners.chat import prompt_length
@@ -206,6 +213,7 @@ class UpstreamRunner:
                     member.load += 1
                     continue
                 if output is not None:
+                    _check_structured(request, output)
                     generation.put(Finished(output))
                 return
         except asyncio.CancelledError:
@@ -301,3 +309,13 @@ class UpstreamRunner:
         reply = await self._live_client().complete(member.url, path(request), orjson.dumps(body))
         usage = reply.get("usage")
         return int(usage.get("prompt_tokens", 0)) if isinstance(usage, dict) else 0
+
+
+def _check_structured(request: CanonicalRequest, output: Output) -> None:
+    """Raise SchemaViolated (the fill then stores nothing) unless a structured answer holds
+    to its schema: mlx_lm.server generates it unconstrained."""
+    why = violation(request, output)
+    if why is not None:
+        raise SchemaViolated(f"{why}. mlx_lm.server does not constrain decoding, so upstream "
+                             "mode checks structured answers and never stores one that "
+                             "breaks its schema (the in-process runner enforces it)")

@@ -72,6 +72,7 @@ def read_model_files(options: UpstreamOptions, memo: DigestMemo) -> ModelFiles:
         template_kwargs=template_defaults(tokenizer),
         thinking_kwarg=thinking_kwarg(tokenizer),
         tool_calling=bool(tokenizer.has_tool_calling),
+        validates_schemas=True,  # mlx_lm.server ignores response_format: answers are checked
     )
     files = fp.compute(options.model_id, model_dir, memo=memo)
     if snapshot(model_dir) != before:

@@ -36,6 +36,7 @@ async def test_sdk_parse_returns_an_object_and_a_hit_is_the_same(make_proxy: Pro
         model=MODEL, messages=messages, response_format=Animal, extra_body=NO_THINKING)
     second = raw.parse()
     assert raw.headers["x-cache"] == "HIT"
+    assert raw.headers["x-cache-schema"] == "enforced"  # (upstream mode: "validated")
     assert isinstance(first.choices[0].message.parsed, Animal)
     assert second.choices[0].message.content == first.choices[0].message.content
 

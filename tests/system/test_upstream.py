@@ -314,6 +314,42 @@ async def test_tool_calls_through_mlx_lm_server_get_ids_of_their_own(
     assert forced[2]["error"]["param"] == "tool_choice"
 
 
+def _strict(cities: list[str]) -> dict[str, Any]:
+    return {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the weather for a city.", "strict": True,
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                       "properties": {"city": {"type": "string", "enum": cities}}}}}
+
+
+async def test_structured_requests_are_validated_and_a_violating_answer_is_never_stored(
+    upstreams: list[Upstream], start_proxy: Callable[..., Awaitable[UpProxy]]
+) -> None:
+    # (#34) mlx_lm.server ignores response_format and strict: upstream mode takes them and
+    # checks the answer. The demo model calls get_weather(city="Lima") for this question.
+    proxy = await start_proxy([upstreams[0].url])
+    held = {**_chat("Weather in Lima?", max_tokens=120), "tools": [_strict(["Lima", "Oslo"])]}
+    # Control: the same call against a schema it breaks (Lima is not in the enum).
+    broken = {**held, "tools": [_strict(["Oslo", "Paris"])]}
+    as_json = {**_chat("What does the fox eat?"), "response_format": {
+        "type": "json_schema", "json_schema": {"name": "Food", "schema": {
+            "type": "object", "properties": {"food": {"type": "string"}},
+            "required": ["food"]}}}}
+    async with aiohttp.ClientSession() as session:
+        ok = [await _post(session, proxy.url + CHAT, held) for _ in range(2)]
+        async with session.post(proxy.url + CHAT, json=held) as resp:
+            guarantee = resp.headers.get("X-Cache-Schema")
+        bad = [await _post(session, proxy.url + CHAT, broken) for _ in range(2)]
+        text = [await _post(session, proxy.url + CHAT, as_json) for _ in range(2)]
+    assert [(status, cache) for status, cache, _ in ok] == [(200, "MISS"), (200, "HIT")]
+    ((_, name, arguments),) = _calls(ok[0][2])
+    assert (name, arguments, guarantee) == ("get_weather", {"city": "Lima"}, "validated")
+    for status, _, data in bad + text:  # each time generated anew: nothing was stored
+        assert (status, data["error"]["code"]) == (502, "schema_violated")
+    assert "tool call 0 (get_weather) breaks its schema at $['city']" in \
+        bad[0][2]["error"]["message"]
+    assert text[0][2]["error"]["message"].startswith("the answer is not JSON")
+
+
 async def test_parallel_tool_calls_false_closes_the_upstream_stream_after_one_call(
     upstreams: list[Upstream], start_proxy: Callable[..., Awaitable[UpProxy]]
 ) -> None:
