@@ -1,5 +1,5 @@
-"""`cacheproxy` command line: serve, demo-model, fingerprint, stats, inspect, purge, export,
-import, verify."""
+"""`cacheproxy` command line: serve, demo-model, agent-model, fingerprint, stats, inspect,
+purge, export, import, verify."""
 
 from __future__ import annotations
 
@@ -117,6 +117,12 @@ def _add_model_commands(sub: Any) -> None:
     demo.add_argument("--documents", type=int,
                       help="conversations in the training corpus with --retrain")
     demo.add_argument("--batch", type=int, help="sequences per training step with --retrain")
+    agent = sub.add_parser("agent-model", help="write the long-context agent model (for "
+                           "agent clients: Codex, Claude Code)")
+    agent.add_argument("--out", required=True, type=Path)
+    agent.add_argument("--context", type=int, help="positions (default 131072)")
+    agent.add_argument("--retrain", action="store_true", help="train from the recipe instead")
+    agent.add_argument("--steps", type=int, help="training steps with --retrain (0: random)")
     fpr = sub.add_parser("fingerprint", help="print the pinned configuration tuple as JSON")
     fpr.add_argument("--model", help="model directory (default: the demo model)")
     fpr.add_argument("--prefill-step", type=int, help="the runner's prefill step (default 512)")
@@ -196,6 +202,8 @@ def run(argv: list[str] | None = None) -> int:
         if args.command == "demo-model":
             code = demo_model(args.out, args.quantize, args.retrain, args.steps,
                               args.documents, args.batch)
+        elif args.command == "agent-model":
+            code = agent_model(args.out, args.context, args.retrain, args.steps)
         elif args.command == "fingerprint":
             code = fingerprint(args.model, args.prefill_step, args.decode_slots)
         else:
@@ -324,6 +332,26 @@ def demo_model(out: Path, quantize: int | None, retrain: bool, steps: int | None
         if steps is not None or documents is not None or batch is not None:
             raise ValueError("--steps, --documents and --batch need --retrain")
         dm.write_copy(out, quantize=quantize)
+    print(out)
+    return 0
+
+
+def agent_model(out: Path, context: int | None, retrain: bool, steps: int | None) -> int:
+    """Write the agent model: a copy of the shipped one, or retrained from its recipe."""
+    from dataclasses import replace
+
+    from cacheproxy.runners.demo import agent
+
+    positions = agent.CONTEXT if context is None else context
+    if retrain:
+        recipe = agent.AgentRecipe()
+        if steps is not None:
+            recipe = replace(recipe, steps=steps)
+        agent.train_agent(out, recipe, context=positions)
+    elif steps is not None:
+        raise ValueError("--steps needs --retrain")
+    else:
+        agent.write_agent(out, context=positions)
     print(out)
     return 0
 

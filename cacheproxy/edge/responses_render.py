@@ -19,6 +19,7 @@ import xxhash
 from cacheproxy.edge.render import Frame, call_id
 from cacheproxy.errors import ProxyError
 from cacheproxy.keys.codec import Chunk, Output, ToolCallOut
+from cacheproxy.keys.responses_tools import seal
 
 
 def _item_id(frame: Frame, kind: str, index: int = 0) -> str:
@@ -30,9 +31,13 @@ def _echo(frame: Frame) -> dict[str, Any]:
 
 
 def _reasoning_item(frame: Frame, index: int, text: str, status: str) -> dict[str, Any]:
-    summary = [{"type": "summary_text", "text": text}] if _echo(frame).get("summary") else []
-    return {"id": _item_id(frame, "rs", index), "type": "reasoning", "summary": summary,
+    echo = _echo(frame)
+    summary = [{"type": "summary_text", "text": text}] if echo.get("summary") else []
+    item = {"id": _item_id(frame, "rs", index), "type": "reasoning", "summary": summary,
             "content": [{"type": "reasoning_text", "text": text}], "status": status}
+    if echo.get("encrypted"):  # asked for: the thought in the form a client sends back
+        item["encrypted_content"] = seal(text)
+    return item
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -47,9 +52,13 @@ def _message_item(frame: Frame, index: int, text: str | None, status: str) -> di
 
 def _call_item(frame: Frame, index: int, call: ToolCallOut, status: str,
                arguments: str) -> dict[str, Any]:
-    return {"id": _item_id(frame, "fc", index), "type": "function_call",
+    item = {"id": _item_id(frame, "fc", index), "type": "function_call",
             "status": status, "call_id": call_id(frame.key, 0, call.index), "name": call.name,
             "arguments": arguments}
+    namespace = (_echo(frame).get("namespaces") or {}).get(call.name)
+    if namespace is not None:  # a function of a namespace tool is called by both names
+        item["namespace"] = namespace
+    return item
 
 
 def segments(output: Output) -> list[tuple[str, str | ToolCallOut]]:

@@ -9,12 +9,16 @@ the two share one cache entry. What the translation does:
   a `function_call` -> a tool call of the assistant turn it follows (or a new one); a
   `function_call_output` -> a tool turn answering its `call_id`; a `reasoning` item -> the
   reasoning of the next assistant turn;
-- `tools` (flat function tools), `tool_choice`, `parallel_tool_calls`, `max_output_tokens`,
+- `tools` (function tools, and the functions of `namespace` tools: `responses_tools`),
+  `tool_choice`, `parallel_tool_calls`, `max_output_tokens`,
   `temperature`, `top_p` -> their chat forms; `reasoning.effort` -> `reasoning_effort` (which
   reaches the template as `reasoning_effort`, and as `enable_thinking`: off for "none" and
   "minimal", on for any other effort);
 - this server keeps no state: `previous_response_id`, `conversation`, `store: true`,
-  `background: true` and item references are refused (400), never dropped.
+  `background: true` and item references are refused (400), never dropped;
+- `client_metadata` (Codex sends its session, turn and installation ids) and
+  `prompt_cache_key` describe the caller, not the question: passed, never keyed;
+  `include` is honoured (`responses_tools.includes`).
 """
 
 from __future__ import annotations
@@ -26,13 +30,14 @@ from typing import Any
 import orjson
 
 from cacheproxy.errors import InvalidRequest, Unsupported
-from cacheproxy.keys import fields
+from cacheproxy.keys import fields, responses_tools
 from cacheproxy.keys import tools as tooling
 from cacheproxy.keys.canonical import PASSED, Parsed, RunnerDefaults, parse
 from policies.sampling import SamplingMode
 
 # Fields that change nothing in the answer: echoed (or not), never keyed.
-_PASSED = PASSED | {"model", "stream", "stream_options", "include", "truncation"}
+_PASSED = PASSED | {"model", "stream", "stream_options", "include", "truncation",
+                    "client_metadata"}
 _TRANSLATED = frozenset({"input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
                          "max_output_tokens", "temperature", "top_p", "reasoning", "text",
                          "chat_template_kwargs", "store"})
@@ -57,6 +62,8 @@ class Echo:
     text_format: Mapping[str, Any]
     reasoning: Mapping[str, Any]
     summary: bool  # reasoning.summary asked: the thought is also given as its summary
+    encrypted: bool  # include reasoning.encrypted_content: the thought, sealed, as well
+    namespaces: Mapping[str, str]  # function name -> the namespace tool it came from
 
 
 def translate(body: Mapping[str, Any]) -> tuple[dict[str, Any], Echo]:
@@ -72,6 +79,7 @@ def translate(body: Mapping[str, Any]) -> tuple[dict[str, Any], Echo]:
             raise Unsupported(f"'{name}' is not supported by this server's Responses API",
                               param=name)
     _check_passed(body)
+    included = responses_tools.includes(body)
     chat: dict[str, Any] = {"messages": _messages(body)}
     for name in ("model", "stream", "temperature", "top_p", "parallel_tool_calls",
                  "chat_template_kwargs"):
@@ -81,8 +89,9 @@ def translate(body: Mapping[str, Any]) -> tuple[dict[str, Any], Echo]:
         chat["reasoning_effort"] = effort
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
+    namespaces: dict[str, str] = {}
     if body.get("tools") is not None:
-        chat["tools"] = _tools(body["tools"])
+        chat["tools"], namespaces = responses_tools.tools(body["tools"])
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     text_format = _text_format(body, chat)
@@ -93,18 +102,16 @@ def translate(body: Mapping[str, Any]) -> tuple[dict[str, Any], Echo]:
         parallel_tool_calls=fields.boolean(body, "parallel_tool_calls", True),
         temperature=body.get("temperature"), top_p=body.get("top_p"),
         max_output_tokens=body.get("max_output_tokens"), text_format=text_format,
-        reasoning=reasoning, summary=reasoning.get("summary") is not None)
+        reasoning=reasoning, summary=reasoning.get("summary") is not None,
+        encrypted=responses_tools.ENCRYPTED_REASONING in included, namespaces=namespaces)
 
 
 def _check_passed(body: Mapping[str, Any]) -> None:
-    include = body.get("include")
-    if include not in (None, []):
-        raise Unsupported("'include' is not supported: the response holds everything there is",
-                          param="include")
     if body.get("truncation") not in (None, "disabled"):
         raise Unsupported("'truncation' other than 'disabled' is not supported: a prompt over "
                           "the context is a 400", param="truncation")
     fields.obj(body, "metadata")
+    fields.obj(body, "client_metadata")
     fields.stream_options(body, frozenset())  # (usage is always in response.completed)
 
 
@@ -197,25 +204,13 @@ def _output(item: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 def _reasoning_text(item: Mapping[str, Any], where: str) -> str:
+    """The thought of a reasoning item: sealed (as this server wrote it), or as text."""
+    if item.get("encrypted_content") is not None:
+        return responses_tools.unseal(item["encrypted_content"], f"{where}.encrypted_content")
     parts = item.get("content") or item.get("summary") or []
     if not isinstance(parts, list):
         raise InvalidRequest(f"'{where}.content' must be a list", param=f"{where}.content")
     return "".join(p.get("text", "") for p in parts if isinstance(p, dict))
-
-
-def _tools(raw: object) -> list[Any]:
-    if not isinstance(raw, list):
-        raise InvalidRequest("'tools' must be a list", param="tools")
-    out = []
-    for i, tool in enumerate(raw):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise Unsupported(f"'tools[{i}].type' {kind!r}: only function tools are supported",
-                              param=f"tools[{i}].type")
-        function = {k: tool[k] for k in ("name", "description", "parameters", "strict")
-                    if k in tool}
-        out.append({"type": "function", "function": function})
-    return out
 
 
 def _tool_choice(raw: object) -> object:
