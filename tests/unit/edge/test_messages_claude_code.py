@@ -130,3 +130,17 @@ def test_claude_codes_request_is_accepted_and_its_session_id_is_not_keyed() -> N
     dated = _claude_code_body("5420aefc")
     dated["messages"][1]["content"][0]["text"] = "Today's date is 2026-12-03."
     assert key(parse_messages(dated, DEFAULTS, SamplingMode.FORCE_GREEDY)) != key(one)
+
+
+@pytest.mark.parametrize("display", ["updates", "highlights", "summarized"])
+def test_a_shown_thinking_display_is_the_thought_as_generated(display: str) -> None:
+    # Claude Code asks for `updates` under --output-format stream-json (and retries twice
+    # without it when refused); this server has no summariser, so the thought is shown.
+    shown = messages(thinking={"type": "adaptive", "display": display})
+    assert shown.request == messages(thinking={"type": "adaptive"}).request
+    assert shown.delivery.echo == b""
+    omitted = messages(thinking={"type": "adaptive", "display": "omitted"})
+    assert omitted.delivery.echo != b""  # control: omitted is told apart
+    with pytest.raises(InvalidRequest) as refused:
+        messages(thinking={"type": "adaptive", "display": "verbatim"})
+    assert refused.value.param == "thinking.display"

@@ -43,6 +43,9 @@ _REFUSED = {"container": "runs no code-execution containers",
 COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking",
                           "output_config", "output_format", "cache_control", "speed",
                           "user_profile_id", "workspace_id", "context_management"})
+# thinking.display: omitted, or the thought as generated (this server has no summariser, and
+# Claude Code's `updates` and `highlights` ask to be shown the thought's progress).
+_DISPLAYS = (None, "summarized", "omitted", "updates", "highlights")
 # output_config.effort -> reasoning_effort ("max": the most a template can be asked).
 _EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
 _TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "strict",
@@ -135,8 +138,8 @@ def _thinking(body: Mapping[str, Any], max_tokens: int) -> tuple[bool | None, bo
     elif kind not in ("adaptive", "disabled", "between_tools"):
         raise InvalidRequest("'thinking.type' must be enabled, adaptive, disabled or "
                              "between_tools", param="thinking.type")
-    if raw.get("display") not in (None, "summarized", "omitted"):
-        raise InvalidRequest("'thinking.display' must be summarized or omitted",
+    if raw.get("display") not in _DISPLAYS:
+        raise InvalidRequest(f"'thinking.display' must be one of {_DISPLAYS[1:]}",
                              param="thinking.display")
     return kind in ("enabled", "adaptive"), raw.get("display") == "omitted"
 
