@@ -6,7 +6,8 @@ Its prompt is ~31k tokens of the demo tokenizer, so the proxy serves the agent m
 seconds. The run completes without a protocol error; a second identical run is answered
 from the cache: each of its model requests is a HIT on the key its twin in the first run
 MISSed (the first run's MISSes are the control: the same check fails on a cold cache).
-Claude Code is installed from npm by `.ci/run`; the test skips only where npm is missing.
+Claude Code is installed from npm by `.ci/run`; the test skips only where it could not install
+(npm missing, or the reason .ci/run kept), and fails where it was never installed.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def _claude() -> str:
         return found
     if shutil.which("npm") is None:
         pytest.skip(f"npm is missing, so Claude Code ({CLAUDE_CODE}) cannot install")
+    failed = Path(sys.prefix) / "claude-code-not-installed"  # .ci/run's npm error
+    if failed.exists():
+        pytest.skip(f"npm could not install {CLAUDE_CODE}: {failed.read_text()[-500:]}")
     pytest.fail(f"Claude Code is not installed: `npm install --global --prefix "
                 f"{Path(sys.executable).parent.parent} {CLAUDE_CODE}` (what .ci/run does)")
 

@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
+from cacheproxy.edge.apis.messages.request import parse_messages
 from cacheproxy.errors import InvalidRequest
-from tests.unit.edge.test_messages_request import ASK, SCHEMA, chat, key, messages
+from policies.sampling import SamplingMode
+from tests.unit.edge.test_messages_request import ASK, DEFAULTS, SCHEMA, chat, key, messages
 
 THOUGHT = [ASK, {"role": "assistant", "content": [
     {"type": "thinking", "thinking": "First thought.", "signature": "s1"},
@@ -119,10 +121,6 @@ def _claude_code_body(session: str) -> dict[str, Any]:
 
 
 def test_claude_codes_request_is_accepted_and_its_session_id_is_not_keyed() -> None:
-    from cacheproxy.edge.apis.messages.request import parse_messages
-    from tests.unit.edge.test_messages_request import DEFAULTS
-    from policies.sampling import SamplingMode
-
     one, two = (parse_messages(_claude_code_body(s), DEFAULTS, SamplingMode.FORCE_GREEDY)
                 for s in ("5420aefc", "bd83efea"))
     assert key(one) == key(two)
