@@ -142,3 +142,15 @@ def test_a_shown_thinking_display_is_the_thought_as_generated(display: str) -> N
     with pytest.raises(InvalidRequest) as refused:
         messages(thinking={"type": "adaptive", "display": "verbatim"})
     assert refused.value.param == "thinking.display"
+
+
+def test_a_tool_reference_is_refused_with_how_to_turn_tool_search_off() -> None:
+    call = {"type": "tool_use", "id": "toolu_1", "name": "ToolSearch",
+            "input": {"query": "select:WebFetch"}}
+    found = {"type": "tool_result", "tool_use_id": "toolu_1",
+             "content": [{"type": "tool_reference", "tool_name": "WebFetch"}]}
+    with pytest.raises(InvalidRequest) as refused:
+        messages(messages=[ASK, {"role": "assistant", "content": [call]},
+                           {"role": "user", "content": [found]}])
+    assert refused.value.param == "messages[2].content[0].content[0].type"
+    assert "ENABLE_TOOL_SEARCH=false" in refused.value.message

@@ -55,6 +55,10 @@ def texts(raw: object, where: str) -> str | list[dict[str, Any]]:
         return raw
     out = []
     for j, block in enumerate(_blocks(raw, where)):
+        if block["type"] == "tool_reference":
+            raise Unsupported(f"'{where}[{j}].type' 'tool_reference': this server has no tool "
+                              "search to load deferred tools (with Claude Code, set "
+                              "ENABLE_TOOL_SEARCH=false)", param=f"{where}[{j}].type")
         if block["type"] != "text":
             raise Unsupported(f"'{where}[{j}].type' {block['type']!r}: only text blocks are "
                               "supported here (the model reads text only)",
