@@ -25,8 +25,12 @@ async def stats(url: str, *, as_json: bool, out: TextIO | None = None) -> int:
     """Entries and bytes per namespace, marking the current and the superseded ones."""
     out = out or sys.stdout  # (looked up per call: a default would be the import's)
     store = await open_store(url, replay=True)  # read only
+    unreadable = ""
     try:
-        reports = await Registry(store).report()
+        try:
+            reports = await Registry(store).report()
+        except codec.CorruptRecord as exc:  # the rest of the figures still stand
+            reports, unreadable = [], str(exc)
         total = await store.stats() if isinstance(store, StoreStats) else None
         entries = await cache_entries(store, total.entries) if total else None
     finally:
@@ -43,9 +47,15 @@ async def stats(url: str, *, as_json: bool, out: TextIO | None = None) -> int:
                "bytes": total.bytes if total else None,
                "max_bytes": total.max_bytes if total else None, "namespaces": rows,
                "hit_miss_counters": "not kept in the store; see GET /health of a running server"}
+    if unreadable:
+        detail = unreadable.removeprefix("registry unreadable: ")
+        summary["registry_error"] = (f"the namespace registry is unreadable ({detail}): "
+                                     "entries are counted "
+                                     "without their namespaces; the next `cacheproxy serve` "
+                                     "rewrites it")
     if as_json:
         print(json.dumps(summary, indent=2), file=out)
-        return 0
+        return 1 if unreadable else 0
     spaces = "namespace" if len(rows) == 1 else "namespaces"
     bound = "the server's own bound" if summary["max_bytes"] is None else \
         f"bound {summary['max_bytes']}"  # (Redis: its maxmemory, which it keeps to itself)
@@ -57,6 +67,9 @@ async def stats(url: str, *, as_json: bool, out: TextIO | None = None) -> int:
         print(f"{r['namespace']:34} {r['state']:11} {r['replicas']:>8} {r['entries']:>8} "
               f"{r['bytes']:>10}  {r['model_id']} / {r['engine']} / {_when(r['last_seen'])}",
               file=out)
+    if unreadable:
+        print(f"cacheproxy: error: {summary['registry_error']}", file=sys.stderr)
+        return 1
     return 0
 
 

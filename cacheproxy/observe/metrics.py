@@ -8,6 +8,7 @@ which cost a twentieth of a cache hit. Point-in-time figures are ordinary Gauges
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from bisect import bisect_left
 from collections import defaultdict, deque
@@ -44,6 +45,13 @@ class Buckets:
         """Count one observation (buckets are upper bounds, inclusive)."""
         self.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
         self.total += seconds
+
+    def observe_all(self, seconds: list[float]) -> None:
+        """observe() each of `seconds`."""
+        counts = self.counts
+        for value in seconds:
+            counts[bisect_left(LATENCY_BUCKETS, value)] += 1
+        self.total += sum(seconds)
 
     def cumulative(self) -> list[tuple[str, float]]:
         """(le, count of observations <= le) for every bucket, as Prometheus exposes them."""
@@ -105,35 +113,49 @@ class RequestTally(Collector):
             return
         batch = self._pending[:]
         self._pending.clear()  # in place: `record` is this list's append
-        counts: dict[str, int] | None = None  # this minute's, made by its first API request
-        failed = 0
+        # The repeats of one remembered HIT share their log fields (one object): counted
+        # once per group, only the latencies one by one.
+        groups: dict[tuple[str, int, int], tuple[str, int, Any, list[float]]] = {}
         for endpoint, status, seconds, info in batch:
+            group = groups.get((endpoint, status, id(info)))  # (batch holds every info alive)
+            if group is None:
+                groups[endpoint, status, id(info)] = (endpoint, status, info, [seconds])
+            else:
+                group[3].append(seconds)
+        minute = functools.cache(self._minute)  # this minute's counts, made by an API request
+        failed = 0
+        for endpoint, status, info, latencies in groups.values():
             try:
-                cache = info.get("cache", "NONE")  # a plain str (the CacheStatus value)
-                self._requests[endpoint, cache, info.get("reason", ""), status] += 1
-                self._latency[cache].observe(seconds)
-                if not info:
-                    continue  # not an API request: no cache status, tokens or minutes
-                if counts is None:
-                    counts = self._minute()
-                self._by_cache[cache] += 1
-                self._by_model[info.get("model", ""), cache] += 1
-                counts[cache] = counts.get(cache, 0) + 1
-                if cache == CacheStatus.HIT:
-                    self._saved_tokens += info.get("tokens", 0)
-                    self._saved_seconds += info.get("runner_ms", 0.0) / 1000
-                elif cache == CacheStatus.COALESCED:
-                    self._coalesced += 1
-                    self._saved_tokens += info.get("tokens", 0)
-                elif cache in (CacheStatus.MISS, CacheStatus.BYPASS) and "runner_ms" in info:
-                    self._generation.observe(info["runner_ms"] / 1000)
-                    self._generated_tokens += info.get("tokens", 0)
-                    self._prefill_tokens += info.get("prefill_tokens", 0)
-                    self._prefill_reused += info.get("prefill_reused", 0)
+                self._count(endpoint, status, info, latencies, minute)
             except Exception:  # a malformed record costs its own counts, not the batch's
-                failed += 1
+                failed += len(latencies)
         if failed:
             log.error("tally_records_skipped", count=failed)
+
+    def _count(self, endpoint: str, status: int, info: dict[str, Any], latencies: list[float],
+               minute: Callable[[], dict[str, int]]) -> None:
+        """Count `len(latencies)` requests of one endpoint, status and log fields."""
+        cache = info.get("cache", "NONE")  # a plain str (the CacheStatus value)
+        n = len(latencies)
+        self._requests[endpoint, cache, info.get("reason", ""), status] += n
+        self._latency[cache].observe_all(latencies)
+        if not info:
+            return  # not an API request: no cache status, tokens or minutes
+        self._by_cache[cache] += n
+        self._by_model[info.get("model", ""), cache] += n
+        counts = minute()
+        counts[cache] = counts.get(cache, 0) + n
+        if cache == CacheStatus.HIT:
+            self._saved_tokens += n * info.get("tokens", 0)
+            self._saved_seconds += n * info.get("runner_ms", 0.0) / 1000
+        elif cache == CacheStatus.COALESCED:
+            self._coalesced += n
+            self._saved_tokens += n * info.get("tokens", 0)
+        elif cache in (CacheStatus.MISS, CacheStatus.BYPASS) and "runner_ms" in info:
+            self._generation.observe_all([info["runner_ms"] / 1000] * n)
+            self._generated_tokens += n * info.get("tokens", 0)
+            self._prefill_tokens += n * info.get("prefill_tokens", 0)
+            self._prefill_reused += n * info.get("prefill_reused", 0)
 
     def _minute(self) -> dict[str, int]:
         minute = int(self._clock()) // 60

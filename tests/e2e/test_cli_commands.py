@@ -92,3 +92,46 @@ def test_bad_cli_values_exit_2_with_a_message(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit) as usage:  # argparse's own exit, as for any argparse CLI
         run(["serve", "--port", "eighty"])
     assert usage.value.code == 2 and "invalid int value" in capsys.readouterr().err
+
+
+def _agent_reply(model_dir: Path, filler_words: int) -> tuple[int, str, str]:
+    """(prompt tokens, reply, finish reason) of a long prompt, greedy, by mlx-lm itself."""
+    from mlx_lm import load, stream_generate
+
+    model, tokenizer = load(str(model_dir))[:2]
+    filler = " ".join(f"word{i % 97}" for i in range(filler_words))  # not the demo's world
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "system", "content": filler}, {"role": "user", "content": "Hello!"}],
+        add_generation_prompt=True)
+    reply, finish = "", ""
+    for step in stream_generate(model, tokenizer, prompt, max_tokens=48):
+        reply, finish = reply + step.text, step.finish_reason or ""
+    return len(prompt), reply, finish
+
+
+def test_agent_model_holds_a_long_prompt_and_its_reply_ends(tmp_path: Path) -> None:
+    # A prompt four times the demo model's context: the shipped agent model reads it and
+    # its reply ends (an agent client takes a reply cut at max tokens as an error). The
+    # control: the same architecture with random weights (--steps 0) never ends one.
+    out = tmp_path / "agent"
+    assert run(["agent-model", "--out", str(out), "--context", "65536"]) == 0
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 65536
+    assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 65536
+    assert (out / "tokenizer.json").read_bytes() == (BUNDLED_MODEL / "tokenizer.json").read_bytes()
+    tokens, reply, finish = _agent_reply(out, 400)
+    assert tokens > 2048 and finish == "stop" and reply.strip(), (tokens, reply)
+    random = tmp_path / "random"
+    assert run(["agent-model", "--out", str(random), "--retrain", "--steps", "0"]) == 0
+    assert _agent_reply(random, 400)[2] == "length"
+
+
+def test_agent_model_options_are_checked(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["agent-model", "--out", str(tmp_path / "x"), "--steps", "3"]) == 2
+    assert "needs --retrain" in capsys.readouterr().err
+    assert run(["agent-model", "--out", str(tmp_path / "x"), "--context", "100"]) == 2
+    assert "at least 1024" in capsys.readouterr().err
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "f").write_text("x")
+    assert run(["agent-model", "--out", str(tmp_path / "full")]) == 2
+    assert "not empty" in capsys.readouterr().err

@@ -187,3 +187,25 @@ async def test_models_and_health(make_proxy: ProxyFactory) -> None:
     async with aiohttp.ClientSession() as session, session.get(proxy.url + "/health") as r:
         health = await r.json()
     assert r.status == 200 and health["status"] == "ok" and len(health["fingerprint"]) == 32
+
+
+async def test_a_request_without_model_is_the_served_models_and_shares_its_entry(
+        make_proxy: ProxyFactory) -> None:
+    """`model` is optional, as with mlx_lm.server: the served model answers, under the key of
+    the request that names it (control: a model not served is a 404)."""
+    proxy = await make_proxy()
+    body = {"messages": [{"role": "user", "content": "Who sleeps in the barn?"}],
+            "max_tokens": 8}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + "/v1/chat/completions", json=body) as unnamed:
+            first = (unnamed.status, unnamed.headers["X-Cache"], unnamed.headers["X-Cache-Key"],
+                     (await unnamed.json())["model"])
+        named_body = {**body, "model": "cacheproxy-demo"}
+        async with session.post(proxy.url + "/v1/chat/completions", json=named_body) as named:
+            second = (named.status, named.headers["X-Cache"], named.headers["X-Cache-Key"])
+        other = {**body, "model": "not-served"}
+        async with session.post(proxy.url + "/v1/chat/completions", json=other) as refused:
+            error = (refused.status, (await refused.json())["error"]["code"])
+    assert first[:2] == (200, "MISS") and first[3] == "cacheproxy-demo"
+    assert second == (200, "HIT", first[2])
+    assert error == (404, "model_not_found")

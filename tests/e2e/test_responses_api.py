@@ -123,7 +123,7 @@ async def test_max_output_tokens_is_an_incomplete_response(make_proxy: ProxyFact
     ({"store": True}, "store"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
-    ({"include": ["file_search_call.results"]}, "include"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"stream": True, "stream_options": {"include_obfuscation": True}},
      "stream_options.include_obfuscation"),
     ({"stream": True, "stream_options": {"include_usage": True}}, "stream_options.include_usage"),
@@ -165,6 +165,43 @@ async def test_an_openai_agents_agent_runs_a_tool_turn_and_its_rerun_is_cached(
     assert len(looked_up) == 2 and looked_up[0] == looked_up[1]
     assert first.final_output and second.final_output == first.final_output
     assert proxy.generations == generated  # the rerun's two model calls were HITs
+
+
+async def test_codex_style_namespace_tools_and_sealed_reasoning(make_proxy: ProxyFactory) -> None:
+    # Codex offers tools inside a namespace and sends back the reasoning items it got as
+    # `encrypted_content` only (store: false). The call names its namespace (as the SDK's
+    # types have it); the sealed thought gives the next turn the very prompt the thought as
+    # text gives (a HIT on its entry); without the thought the prompt differs (the control).
+    proxy = await make_proxy()
+    tools = [{"type": "namespace", "name": "world", "description": "The demo world.",
+              "tools": [FLAT_WEATHER]}]
+    first, _ = await _create(proxy, input=ask_paris(), tools=tools,
+                             include=["reasoning.encrypted_content"], store=False)
+    thought, call = first.output[0], first.output[-1]
+    assert thought.type == "reasoning" and thought.encrypted_content
+    assert call.type == "function_call" and (call.name, call.namespace) == ("get_weather",
+                                                                           "world")
+    streamed, _ = await _events(proxy, {"input": ask_paris(), "tools": tools,
+                                        "include": ["reasoning.encrypted_content"]})
+    done = [e.item for e in streamed if e.type == "response.output_item.done"]
+    assert [i.model_dump() for i in done] == [i.model_dump() for i in first.output]
+    back = {"type": "function_call", "call_id": call.call_id, "name": call.name,
+            "namespace": call.namespace, "arguments": call.arguments}
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 20"}
+    sealed = {"type": "reasoning", "summary": [], "encrypted_content": thought.encrypted_content}
+    as_text = {"type": "reasoning", "summary": [], "content": [
+        {"type": "reasoning_text", "text": thought.content[0].text}]}
+    keys = []
+    for item in (sealed, as_text, None):
+        history = [*ask_paris(), *([item] if item else []), back, result]
+        _, headers = await _create(proxy, input=history, tools=tools)
+        keys.append((headers["x-cache"], headers["x-cache-key"]))
+    assert keys[0][0] == "MISS" and keys[1] == ("HIT", keys[0][1])
+    assert keys[2][1] != keys[0][1]
+
+
+def ask_paris() -> list[dict[str, Any]]:
+    return [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.mark.parametrize("finish", ["tool_calls", "length"])

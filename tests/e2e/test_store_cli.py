@@ -13,7 +13,7 @@ from cacheproxy.edge.state import PROXY
 from cacheproxy.keys import codec
 from cacheproxy.keys.codec import Chunk, Output
 from tests.conftest import Proxy, ProxyFactory
-from tests.harness.cli import cacheproxy_blocking, cacheproxy_sync
+from tests.harness.cli import cacheproxy, cacheproxy_blocking, cacheproxy_sync
 
 REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me about the cat."}]}),
@@ -169,3 +169,26 @@ def test_a_store_that_fails_is_a_message_not_a_traceback() -> None:
     done = cacheproxy_sync("stats", "--store", "redis://127.0.0.1:1/0", check=False)
     assert done.returncode == 2
     assert done.stderr.startswith("cacheproxy: error: ") and "Traceback" not in done.stderr
+
+
+async def test_stats_on_a_corrupt_registry_says_so_and_counts_the_rest(tmp_path: Path) -> None:
+    # (#34) The registry record overwritten with garbage: stats prints what it can count,
+    # names the problem in one line and exits 1 (it was a traceback). Control: before the
+    # corruption the same store is a clean exit 0.
+    from backends import open_backend
+    from cacheproxy.service.namespaces import REGISTRY_KEY
+
+    store = f"disk://{tmp_path / 'store'}"
+    backend = open_backend(store)
+    await backend.set("some/entry", b"x" * 10)
+    clean = await cacheproxy("stats", "--store", store, check=False)
+    await backend.set(REGISTRY_KEY, b"\xff\x00not a registry")
+    await backend.aclose()
+    assert clean.returncode == 0 and "error" not in clean.stderr
+    done = await cacheproxy("stats", "--store", store, check=False)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("cacheproxy: error: the namespace registry is unreadable")
+    assert "2 keys with the namespace registry" in done.stdout
+    as_json = await cacheproxy("stats", "--store", store, "--json", check=False)
+    assert as_json.returncode == 1
+    assert "unreadable" in json.loads(as_json.stdout)["registry_error"]

@@ -87,18 +87,20 @@ def test_bench_prefix_smoke(tmp_path: Path) -> None:
 
 
 def test_cost_curves_smoke(tmp_path: Path) -> None:
+    # One store (Redis: its server, the purge in another process): the disk store's rows are
+    # the same code on another URL, and cost 12 s of CPU more.
     done = subprocess.run([sys.executable, str(LOADTESTS / "cost_curves.py"), "--smoke",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+                           "--stores", "redis", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
-    assert "| disk | 3k |" in done.stdout and "| redis | 3k |" in done.stdout, done.stdout
+    assert "| redis | 3k |" in done.stdout, done.stdout
     assert (tmp_path / "cost_curves.png").stat().st_size > 1000
     result = json.loads((tmp_path / "cost_curves.json").read_text())
-    for store in ("disk", "redis"):
-        run = result["stores"][store]
-        assert [r["entries"] for r in run["rows"]] == [1000, 3000]
-        assert all(r["get_us"]["p99"] > 0 and r["bytes_per_entry"] > 0 for r in run["rows"])
-        assert run["purge"]["entries"] == 3000 and run["purge"]["seconds"] > 0
-        assert run["purge"]["during_us"]["samples"] > 0 and run["purge"]["p99_ratio"] > 0
-        assert run["purge"]["paused_us"]["samples"] > 0 and run["purge"]["p99_vs_paused"] > 0
-        assert all(r["list_all_s"] > 0 and r["sample_list_ms"] > 0 for r in run["rows"])
-        assert run["verify"]["entries"] == 5 and run["verify"]["verify_per_s"] > 0
+    run = result["stores"]["redis"]
+    assert [r["entries"] for r in run["rows"]] == [1000, 3000]
+    assert all(r["get_us"]["p99"] > 0 and r["bytes_per_entry"] > 0 for r in run["rows"])
+    assert run["purge"]["entries"] == 3000 and run["purge"]["seconds"] > 0
+    assert run["purge"]["during_us"]["samples"] > 0 and run["purge"]["p99_ratio"] > 0
+    assert run["purge"]["paused_us"]["samples"] > 0 and run["purge"]["p99_vs_paused"] > 0
+    assert all(r["list_all_s"] > 0 and r["sample_list_ms"] > 0 for r in run["rows"])
+    assert run["verify"]["entries"] == 5 and run["verify"]["verify_per_s"] > 0

@@ -28,8 +28,12 @@ def test_the_readme_pytest_example_records_then_replays(tmp_path: Path) -> None:
     recorded = pytest_run(RECORD="1")
     assert recorded.returncode == 0, recorded.stdout + recorded.stderr
     assert (tmp_path / "llm.jsonl").read_text().count("\n") == 1
+    # One replaying run (each starts pytest and a server): the recorded test passes as
+    # written, a question that was not recorded fails loudly beside it.
+    unrecorded = tests.replace("the fox eat", "the owl eat").replace("def test_the_fox",
+                                                                      "def test_the_owl")
+    (tmp_path / "test_answers.py").write_text(tests + "\n\n" + unrecorded)
     replayed = pytest_run()
-    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
-    (tmp_path / "test_answers.py").write_text(tests.replace("the fox eat", "the owl eat"))
-    missing = pytest_run()
-    assert missing.returncode != 0 and "not_recorded" in missing.stdout, missing.stdout
+    assert "1 failed, 1 passed" in replayed.stdout, replayed.stdout + replayed.stderr
+    assert "FAILED test_answers.py::test_the_owl" in replayed.stdout, replayed.stdout
+    assert "not_recorded" in replayed.stdout, replayed.stdout

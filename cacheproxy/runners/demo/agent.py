@@ -2,10 +2,12 @@
 demo tokenizer), a prefill of it in seconds on two CPU cores, and answers that end.
 
 A Llama with the demo's tokenizer and chat template and two layers: a sliding-window layer,
-trained briefly on the demo corpus, and a full-attention layer that passes its input through
-(its output projections are zero). mlx-lm needs one full-attention layer to serve a model
-with sliding windows; that layer being the last, a prefill chunk only computes its keys and
-values (nothing reads its attention until the last chunk). So the model holds 131,072
+trained briefly on the demo corpus (half its conversations after a turn of noise, as an
+agent's long instructions look to a tokenizer of the demo world), and a full-attention layer
+that passes its input through (its output projections are zero). mlx-lm needs one
+full-attention layer to serve a model with sliding windows; that layer being the last, a
+prefill chunk only computes its keys and values (nothing reads its attention until the last
+chunk). So the model holds 131,072
 positions, reads only the last `window` tokens, and writes a demo-style reply and its end
 marker after any prompt. Its words are the demo world's, out of place after an agent's
 prompt: it is for testing clients (Codex, Claude Code) through the proxy, not for answers.
@@ -19,7 +21,9 @@ the context asked for) or retrains it from the recipe.
 from __future__ import annotations
 
 import json
+import random
 import shutil
+import string
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,8 +45,9 @@ class AgentRecipe:
     window: int = 128  # the tokens the model reads: the end of any prompt
     steps: int = 300
     batch: int = 4
-    seq_len: int = 192
+    seq_len: int = 384  # room for a turn of noise and the conversation after it
     documents: int = 2000
+    noise_chars: int = 400  # the longest turn of noise before a conversation
     learning_rate: float = 3e-3
     seed: int = 0
 
@@ -109,7 +114,7 @@ def train_agent(out: Path, recipe: AgentRecipe = AgentRecipe(), *, context: int 
     passing.freeze()
     if recipe.steps:
         started = time.monotonic()
-        texts = demo_corpus.corpus(recipe.seed, recipe.documents)
+        texts = agent_texts(recipe)
         train_steps(model, out, texts, _demo_recipe(recipe), log=log)
         if log:
             print(f"trained in {time.monotonic() - started:.0f}s", flush=True)
@@ -117,6 +122,23 @@ def train_agent(out: Path, recipe: AgentRecipe = AgentRecipe(), *, context: int 
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     return out
+
+
+_NOISE = string.ascii_letters + string.digits + " \n<>/{}[]():;.,_-=\"'`#*"
+
+
+def agent_texts(recipe: AgentRecipe) -> list[str]:
+    """The demo corpus, half of it after a turn of noise (random characters, as a system,
+    developer or user turn), so that a reply follows a conversation whatever came before."""
+    rng = random.Random(recipe.seed)
+    texts = []
+    for text in demo_corpus.corpus(recipe.seed, recipe.documents):
+        if rng.random() < 0.5:
+            role = rng.choice(("system", "developer", "user"))
+            noise = "".join(rng.choice(_NOISE) for _ in range(rng.randint(1, recipe.noise_chars)))
+            text = f"<|{role}|>\n{noise}\n{text}"
+        texts.append(text)
+    return texts
 
 
 def _demo_recipe(recipe: AgentRecipe) -> Recipe:
