@@ -6,8 +6,7 @@ Its prompt is ~31k tokens of the demo tokenizer, so the proxy serves the agent m
 seconds. The run completes without a protocol error; a second identical run is answered
 from the cache: each of its model requests is a HIT on the key its twin in the first run
 MISSed (the first run's MISSes are the control: the same check fails on a cold cache).
-Claude Code is installed from npm by `.ci/run`; the test skips only where it could not install
-(npm missing, or the reason .ci/run kept), and fails where it was never installed.
+Skipped only when the npm package is not installed (`.ci/run` installs it), as Codex's test.
 """
 
 from __future__ import annotations
@@ -32,18 +31,13 @@ TASK = "Add a line saying hello to README.md"
 
 
 def _claude() -> str:
-    """The `claude` command: on PATH or beside this Python (.ci/run installs it there)."""
+    """The `claude` command: on PATH (.ci/run installs it globally) or beside this Python."""
     found = shutil.which("claude", path=os.pathsep.join(
         [str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     if found:
         return found
-    if shutil.which("npm") is None:
-        pytest.skip(f"npm is missing, so Claude Code ({CLAUDE_CODE}) cannot install")
-    failed = Path(sys.prefix) / "claude-code-not-installed"  # .ci/run's npm error
-    if failed.exists():
-        pytest.skip(f"npm could not install {CLAUDE_CODE}: {failed.read_text()[-500:]}")
-    pytest.fail(f"Claude Code is not installed: `npm install --global --prefix "
-                f"{Path(sys.executable).parent.parent} {CLAUDE_CODE}` (what .ci/run does)")
+    pytest.skip(f"the npm package {CLAUDE_CODE} is not installed (`npm install -g "
+                f"{CLAUDE_CODE}`, as .ci/run does; .ci/run says when npm could not install it)")
 
 
 def _scratch_repo(root: Path) -> Path:
