@@ -160,6 +160,9 @@ def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics,
     expect = expect_within(options.max_body_bytes, _refusal(options.max_body_bytes))
     site = site_guard(options.bound_host, options.api_keys, hosts=options.allowed_hosts,
                       origins=options.allowed_origins) if options.bound_host else None
+    # Every GET route answers HEAD too (its head, no body): Claude Code probes `HEAD /`.
+    routes += [("HEAD", path, handler, route_options)
+               for method, path, handler, route_options in routes if method == "GET"]
     for method, path, handler, route_options in routes:
         app.router.add_route(method, path,
                              edge(handler, endpoint=path, **guarded(route_options, site)),

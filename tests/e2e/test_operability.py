@@ -212,6 +212,25 @@ async def test_the_fleets_figures_are_for_who_may_read_them(make_proxy: ProxyFac
     assert await _status_codes(public, None) == (200, 200, 200, 200)
 
 
+async def test_a_get_route_answers_head_with_its_head_and_no_body(
+        make_proxy: ProxyFactory) -> None:
+    # (#32) Claude Code probes `HEAD /` before its first request.
+    proxy = await make_proxy(api_keys=("key-a",), admin_token="root", status_access="admin")
+    async with aiohttp.ClientSession() as session:
+        for path, status in (("/", 200), ("/health", 200), ("/metrics", 401)):
+            async with session.get(proxy.url + path) as got:
+                body = await got.read()
+                assert got.status == status
+            async with session.head(proxy.url + path) as head:
+                assert head.status == status
+                assert head.content_type == got.content_type
+                assert int(head.headers["Content-Length"]) == len(body)
+                assert await head.read() == b""
+        # Control: a POST-only route does not answer HEAD.
+        async with session.head(proxy.url + "/v1/messages") as head:
+            assert head.status == 405
+
+
 def test_status_access_auto_follows_the_tokens_that_are_set() -> None:
     assert Settings().status_readers == "public"
     assert Settings(api_keys=("k",)).status_readers == "api-key"

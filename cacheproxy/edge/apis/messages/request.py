@@ -5,7 +5,9 @@ The conversation becomes chat turns (`turns`); `tools` (`input_schema`), `tool_c
 (parallel_tool_calls false), `stop_sequences`, `max_tokens` (required; above the server's
 cap it is the cap: the answer then ends with `max_tokens` where the server stops it),
 `temperature`, `top_p`, `top_k`, `output_config.format` (a json_schema response_format) and
-`output_config.effort` (reasoning_effort; `max` is `xhigh`) map onto their chat forms;
+`output_config.effort` (reasoning_effort; `max` is `xhigh`) map onto their chat forms (a
+tool with `defer_loading` is checked and not shown to the model: this server has no tool search
+to load it); `context_management` is applied to the turns (`context`);
 `thinking` is the template's thinking switch (`enabled` and `adaptive` on, `disabled` and
 `between_tools` off; absent: the template's default, as in chat; `budget_tokens` is checked
 and not enforced: the thought ends when the model ends it, within max_tokens). The canonical
@@ -21,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from cacheproxy.edge.apis.messages.context import edited
 from cacheproxy.edge.apis.messages.turns import turns, unknown
 from cacheproxy.errors import InvalidRequest, Unsupported
 from cacheproxy.keys import fields
@@ -33,14 +36,16 @@ _PASSED = frozenset({"metadata", "service_tier", "speed", "inference_geo", "diag
                      "user_profile_id", "workspace_id", "cache_control", "stream"})
 _APPLIED = frozenset({"model", "messages", "system", "max_tokens", "stop_sequences",
                       "temperature", "top_p", "top_k", "tools", "tool_choice", "thinking",
-                      "output_config", "output_format"})
+                      "output_config", "output_format", "context_management"})
 _REFUSED = {"container": "runs no code-execution containers",
-            "context_management": "does not edit the context (send the turns to keep)",
             "mcp_servers": "connects to no MCP servers (run the tools in the client)"}
 # What /v1/messages/count_tokens takes (the SDK's MessageCountTokensParams).
 COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking",
                           "output_config", "output_format", "cache_control", "speed",
-                          "user_profile_id", "workspace_id"})
+                          "user_profile_id", "workspace_id", "context_management"})
+# thinking.display: omitted, or the thought as generated (this server has no summariser, and
+# Claude Code's `updates` and `highlights` ask to be shown the thought's progress).
+_DISPLAYS = (None, "summarized", "omitted", "updates", "highlights")
 # output_config.effort -> reasoning_effort ("max": the most a template can be asked).
 _EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
 _TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "strict",
@@ -67,7 +72,9 @@ def _fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
         fields.string(body, name, "")
 
 
-def _tool(raw: object, where: str) -> dict[str, Any]:
+def _tool(raw: object, where: str) -> dict[str, Any] | None:
+    """The chat tool of a Messages tool (None when deferred: its definition is not shown to
+    the model, as with Anthropic's tool search until a search loads it)."""
     if not isinstance(raw, dict):
         raise InvalidRequest(f"'{where}' must be an object", param=where)
     if raw.get("type") not in (None, "custom"):
@@ -78,17 +85,17 @@ def _tool(raw: object, where: str) -> dict[str, Any]:
     if raw.get("input_examples"):
         raise Unsupported(f"'{where}.input_examples' is not supported (put examples in the "
                           "description)", param=f"{where}.input_examples")
-    if raw.get("defer_loading"):
-        raise Unsupported(f"'{where}.defer_loading' is not supported: this server has no "
-                          "tool search", param=f"{where}.defer_loading")
     if raw.get("allowed_callers") not in (None, ["direct"]):
         raise Unsupported(f"'{where}.allowed_callers' other than direct is not supported",
                           param=f"{where}.allowed_callers")
     fields.boolean(raw, "eager_input_streaming", False)  # each call is streamed whole anyway
+    deferred = fields.boolean(raw, "defer_loading", False)
     if not isinstance(raw.get("name"), str) or not NAME.fullmatch(raw["name"]):
         raise InvalidRequest(f"'{where}.name' must be 1 to 64 letters, digits, '_' or '-'",
                              param=f"{where}.name")
     check_schema(raw.get("input_schema"), f"{where}.input_schema")
+    if deferred:
+        return None
     function = {k: raw[k] for k in ("name", "description", "strict") if raw.get(k) is not None}
     return {"type": "function", "function": {**function, "parameters": raw["input_schema"]}}
 
@@ -131,10 +138,22 @@ def _thinking(body: Mapping[str, Any], max_tokens: int) -> tuple[bool | None, bo
     elif kind not in ("adaptive", "disabled", "between_tools"):
         raise InvalidRequest("'thinking.type' must be enabled, adaptive, disabled or "
                              "between_tools", param="thinking.type")
-    if raw.get("display") not in (None, "summarized", "omitted"):
-        raise InvalidRequest("'thinking.display' must be summarized or omitted",
+    if raw.get("display") not in _DISPLAYS:
+        raise InvalidRequest(f"'thinking.display' must be one of {_DISPLAYS[1:]}",
                              param="thinking.display")
     return kind in ("enabled", "adaptive"), raw.get("display") == "omitted"
+
+
+def _turn_effort(body: Mapping[str, Any]) -> str | None:
+    """The effort the last system turn sets (Claude Code's per-turn control): the answer now
+    asked is generated at it; an earlier turn's governed only answers already in the history."""
+    effort = None
+    for i, turn in enumerate(body["messages"]):
+        if turn.get("output_config") is not None:
+            config = fields.obj(turn, "output_config")
+            unknown(config, frozenset({"effort"}), f"messages[{i}].output_config")
+            effort = config.get("effort")  # checked below with the top level's
+    return effort
 
 
 def _output(body: Mapping[str, Any], chat: dict[str, Any], switch: bool | None) -> None:
@@ -153,7 +172,7 @@ def _output(body: Mapping[str, Any], chat: dict[str, Any], switch: bool | None) 
         unknown(form, frozenset({"type", "schema"}), where)
         chat["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "output", "schema": form.get("schema")}}
-    effort = config.get("effort")
+    effort = _turn_effort(body) or config.get("effort")
     if effort is not None and effort not in _EFFORTS:
         raise InvalidRequest(f"'output_config.effort' must be one of {list(_EFFORTS)}",
                              param="output_config.effort")
@@ -179,6 +198,7 @@ def translate(body: Mapping[str, Any], cap: int, *, counting: bool = False
     """The chat body of a Messages request (`cap`: the most tokens this server generates),
     and whether thinking is shown omitted."""
     _fields(body, COUNT_FIELDS if counting else _APPLIED | _PASSED)
+    body = edited(body)
     asked = _max_tokens(body, required=not counting)
     chat: dict[str, Any] = {"messages": turns(body), "max_tokens": min(asked or 1, cap)}
     for name, hi in (("temperature", 1.0), ("top_p", 1.0)):
@@ -192,7 +212,8 @@ def translate(body: Mapping[str, Any], cap: int, *, counting: bool = False
     if body.get("tools") is not None:
         if not isinstance(body["tools"], list):
             raise InvalidRequest("'tools' must be a list", param="tools")
-        chat["tools"] = [_tool(t, f"tools[{i}]") for i, t in enumerate(body["tools"])]
+        shown = (_tool(t, f"tools[{i}]") for i, t in enumerate(body["tools"]))
+        chat["tools"] = [tool for tool in shown if tool is not None]
     _tool_choice(body, chat)
     switch, omitted = _thinking(body, asked or 2**31)
     _output(body, chat, switch)

@@ -17,6 +17,8 @@ from cacheproxy.errors import InvalidRequest, Unsupported
 from cacheproxy.keys import fields
 
 _TEXT_KEYS = frozenset({"type", "text", "cache_control", "citations"})
+_TURN = frozenset({"role", "content"})
+_SYSTEM_TURN = _TURN | {"output_config"}  # its effort: `request`
 
 
 def unknown(block: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:
@@ -53,6 +55,10 @@ def texts(raw: object, where: str) -> str | list[dict[str, Any]]:
         return raw
     out = []
     for j, block in enumerate(_blocks(raw, where)):
+        if block["type"] == "tool_reference":
+            raise Unsupported(f"'{where}[{j}].type' 'tool_reference': this server has no tool "
+                              "search to load deferred tools (with Claude Code, set "
+                              "ENABLE_TOOL_SEARCH=false)", param=f"{where}[{j}].type")
         if block["type"] != "text":
             raise Unsupported(f"'{where}[{j}].type' {block['type']!r}: only text blocks are "
                               "supported here (the model reads text only)",
@@ -151,8 +157,8 @@ def turns(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         where = f"messages[{i}]"
         if not isinstance(turn, dict):
             raise InvalidRequest(f"'{where}' must be an object", param=where)
-        unknown(turn, frozenset({"role", "content"}), where)
         role, content = turn.get("role"), turn.get("content")
+        unknown(turn, _SYSTEM_TURN if role == "system" else _TURN, where)
         if role not in ("user", "assistant", "system"):
             raise InvalidRequest(f"'{where}.role' must be user, assistant or system",
                                  param=f"{where}.role")

@@ -1,0 +1,156 @@
+"""What Claude Code 2.1 sends by default is accepted faithfully (#32): `context_management`'s
+clear_thinking applied to the turns, deferred tools kept out of the prompt, a system turn's
+own `output_config.effort` governing the answer, and its per-run ids never keyed."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from cacheproxy.edge.apis.messages.request import parse_messages
+from cacheproxy.errors import InvalidRequest
+from policies.sampling import SamplingMode
+from tests.unit.edge.test_messages_request import ASK, DEFAULTS, SCHEMA, chat, key, messages
+
+THOUGHT = [ASK, {"role": "assistant", "content": [
+    {"type": "thinking", "thinking": "First thought.", "signature": "s1"},
+    {"type": "text", "text": "Foggy."}]},
+    {"role": "user", "content": "And tomorrow?"},
+    {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "Second thought.", "signature": "s2"},
+        {"type": "text", "text": "Rain."}]},
+    {"role": "user", "content": "And the day after?"}]
+
+
+def _twin_turns(first: str | None, second: str | None) -> list[dict[str, Any]]:
+    def reply(text: str, thought: str | None) -> dict[str, Any]:
+        return {"role": "assistant", "content": text,
+                **({"reasoning_content": thought} if thought else {})}
+    return [ASK, reply("Foggy.", first), {"role": "user", "content": "And tomorrow?"},
+            reply("Rain.", second), {"role": "user", "content": "And the day after?"}]
+
+
+def _clearing(keep: object = None) -> dict[str, Any]:
+    edit: dict[str, Any] = {"type": "clear_thinking_20251015"}
+    if keep is not None:
+        edit["keep"] = keep
+    return {"edits": [edit]}
+
+
+@pytest.mark.parametrize(("keep", "first", "second"), [
+    ("all", "First thought.", "Second thought."),  # what Claude Code sends: nothing cleared
+    (None, None, "Second thought."),  # Anthropic's default: the last thinking turn kept
+    ({"type": "thinking_turns", "value": 0}, None, None),
+])
+def test_clear_thinking_is_applied_to_the_turns(keep: object, first: str | None,
+                                                second: str | None) -> None:
+    ours = messages(messages=THOUGHT, context_management=_clearing(keep))
+    assert ours.request == chat(messages=_twin_turns(first, second)).request
+    # Control: the edit does change the key where it clears something.
+    assert (key(ours) == key(messages(messages=THOUGHT))) == (keep == "all")
+
+
+@pytest.mark.parametrize(("management", "param"), [
+    ({"edits": [{"type": "clear_tool_uses_20250919"}]}, "context_management.edits[0].type"),
+    ({"edits": [{"type": "clear_thinking_20251015", "keep": 2}]},
+     "context_management.edits[0].keep"),
+    ({"edits": [{"type": "clear_thinking_20251015", "clear_at_least": 1}]},
+     "context_management.edits[0].clear_at_least"),
+    ({"edits": "all"}, "context_management.edits"),
+    ({"strategy": "x"}, "context_management.strategy"),
+])
+def test_context_edits_it_cannot_apply_are_refused_by_name(management: dict[str, Any],
+                                                           param: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        messages(messages=THOUGHT, context_management=management)
+    assert refused.value.param == param
+
+
+def test_a_deferred_tool_is_checked_and_not_shown_to_the_model() -> None:
+    shown = {"name": "get_weather", "input_schema": SCHEMA}
+    deferred = {"name": "CronCreate", "input_schema": SCHEMA, "defer_loading": True}
+    ours = messages(tools=[shown, deferred])
+    assert ours.request == messages(tools=[shown]).request
+    assert key(ours) != key(messages(tools=[shown, {**deferred, "defer_loading": False}]))
+    with pytest.raises(InvalidRequest) as refused:  # still checked as any tool is
+        messages(tools=[shown, {**deferred, "input_schema": {"type": 5}}])
+    assert refused.value.param == "tools[1].input_schema"
+
+
+def test_a_system_turns_effort_governs_the_answer_asked_now() -> None:
+    late = {"role": "system", "content": "Now be quick.", "output_config": {"effort": "low"}}
+    ours = messages(messages=[ASK, late], output_config={"effort": "high"})
+    twin = chat(messages=[ASK, {"role": "system", "content": "Now be quick."}],
+                reasoning_effort="low")
+    assert ours.request == twin.request
+    earlier = messages(messages=[late, ASK], output_config={"effort": "high"})
+    assert earlier.request.template_kwargs == twin.request.template_kwargs  # the last one set
+    for turn, param in (({**ASK, "output_config": {"effort": "low"}}, "messages[1].output_config"),
+                        ({**late, "output_config": {"format": {}}},
+                         "messages[1].output_config.format"),
+                        ({**late, "output_config": {"effort": "extreme"}},
+                         "output_config.effort")):
+        with pytest.raises(InvalidRequest) as refused:
+            messages(messages=[ASK, turn])
+        assert refused.value.param == param
+
+
+def _claude_code_body(session: str) -> dict[str, Any]:
+    """The shape of Claude Code 2.1.332's first request (its texts shortened)."""
+    user_id = json.dumps({"device_id": "be2a", "account_uuid": "", "session_id": session})
+    return {
+        "model": "demo", "max_tokens": 32000, "stream": True,
+        "metadata": {"user_id": user_id},
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "medium"},
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332."},
+                   {"type": "text", "text": "You are a Claude agent.",
+                    "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hello"}]},
+                     {"role": "system", "content": [
+                         {"type": "text", "text": "Today's date is 2026-12-02.",
+                          "cache_control": {"type": "ephemeral"}}],
+                      "output_config": {"effort": "medium"}}],
+        "tools": [{"name": "Bash", "description": "Run a command.", "input_schema": SCHEMA},
+                  {"name": "DeferredToolPlaceholder", "description": "Deferred.",
+                   "defer_loading": True, "input_schema": {"type": "object", "properties": {}}}],
+    }
+
+
+def test_claude_codes_request_is_accepted_and_its_session_id_is_not_keyed() -> None:
+    one, two = (parse_messages(_claude_code_body(s), DEFAULTS, SamplingMode.FORCE_GREEDY)
+                for s in ("5420aefc", "bd83efea"))
+    assert key(one) == key(two)
+    assert [t.name for t in one.request.tools] == ["Bash"]
+    dated = _claude_code_body("5420aefc")
+    dated["messages"][1]["content"][0]["text"] = "Today's date is 2026-12-03."
+    assert key(parse_messages(dated, DEFAULTS, SamplingMode.FORCE_GREEDY)) != key(one)
+
+
+@pytest.mark.parametrize("display", ["updates", "highlights", "summarized"])
+def test_a_shown_thinking_display_is_the_thought_as_generated(display: str) -> None:
+    # Claude Code asks for `updates` under --output-format stream-json (and retries twice
+    # without it when refused); this server has no summariser, so the thought is shown.
+    shown = messages(thinking={"type": "adaptive", "display": display})
+    assert shown.request == messages(thinking={"type": "adaptive"}).request
+    assert shown.delivery.echo == b""
+    omitted = messages(thinking={"type": "adaptive", "display": "omitted"})
+    assert omitted.delivery.echo != b""  # control: omitted is told apart
+    with pytest.raises(InvalidRequest) as refused:
+        messages(thinking={"type": "adaptive", "display": "verbatim"})
+    assert refused.value.param == "thinking.display"
+
+
+def test_a_tool_reference_is_refused_with_how_to_turn_tool_search_off() -> None:
+    call = {"type": "tool_use", "id": "toolu_1", "name": "ToolSearch",
+            "input": {"query": "select:WebFetch"}}
+    found = {"type": "tool_result", "tool_use_id": "toolu_1",
+             "content": [{"type": "tool_reference", "tool_name": "WebFetch"}]}
+    with pytest.raises(InvalidRequest) as refused:
+        messages(messages=[ASK, {"role": "assistant", "content": [call]},
+                           {"role": "user", "content": [found]}])
+    assert refused.value.param == "messages[2].content[0].content[0].type"
+    assert "ENABLE_TOOL_SEARCH=false" in refused.value.message
