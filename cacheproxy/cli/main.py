@@ -9,12 +9,15 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from backends.base import BackendError
 from cacheproxy import __version__
 from cacheproxy.cli.settings import Settings, build_settings
 from cacheproxy.errors import UpstreamUnavailable
+
+if TYPE_CHECKING:
+    from cacheproxy.runners.mlx import MlxRunner
 
 # `serve` flags: (flag, argparse options); each is also CACHEPROXY_<DEST> (cli/settings.py).
 SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -164,6 +167,20 @@ def _add_store_commands(sub: Any) -> None:
                     help="key entries of another fingerprint under the serving one")
     im.add_argument("--prefill-step", type=int, help="the serving runner's prefill step")
     im.add_argument("--decode-slots", type=int, help="the serving runner's decode slots")
+    ex = sub.add_parser("explain", help="why a request misses: its key, the nearest entries "
+                        "and the fields they differ in (nothing generated or stored)")
+    ex.add_argument("request", type=Path, help="the request body as a client sends it (JSON)")
+    ex.add_argument("--api", choices=("chat", "completions", "responses", "messages"),
+                    default="chat", help="the API the body is for (default: chat)")
+    ex.add_argument("--store")
+    ex.add_argument("--model", help="model directory or repo (default: the demo model)")
+    ex.add_argument("--model-id", dest="model_id")
+    ex.add_argument("--api-key", default="", help="the tenant under --cache-scope per-key")
+    ex.add_argument("--scan", type=int, default=2000, metavar="N",
+                    help="entries of the namespace compared at most (default 2000)")
+    ex.add_argument("--json", action="store_true")
+    ex.add_argument("--prefill-step", type=int, help="the serving runner's prefill step")
+    ex.add_argument("--decode-slots", type=int, help="the serving runner's decode slots")
     vf = sub.add_parser("verify", help="replay stored entries and compare byte for byte")
     vf.add_argument("--store")
     vf.add_argument("--model", help="model directory or repo (default: the demo model)")
@@ -249,6 +266,8 @@ async def _store_command(args: argparse.Namespace) -> int:
         return await _export(settings, args)
     if args.command == "import":
         return await _import(settings, args)
+    if args.command == "explain":
+        return await _explain(settings, args)
     return await _verify(settings, args)
 
 
@@ -289,16 +308,34 @@ def _ask(what: str) -> bool:
     return input(f"{what}? type 'yes' to confirm: ").strip() == "yes"
 
 
-async def _verify(settings: Settings, args: argparse.Namespace) -> int:
-    from cacheproxy.cli.verify import print_report, verify
+def _runner(settings: Settings) -> MlxRunner:
+    """The in-process runner the store commands replay or key with (not started)."""
     from cacheproxy.runners.mlx import MlxOptions, MlxRunner
 
-    runner = MlxRunner(MlxOptions(model=settings.model_for(settings.served_model_id),
-                                  model_id=settings.served_model_id,
-                                  digest_memo=Path(settings.digest_memo),
-                                  prefill_step=settings.prefill_step,
-                                  prefix_cache_bytes=settings.prefix_cache_bytes,
-                                  decode_slots=settings.decode_slots))
+    return MlxRunner(MlxOptions(model=settings.model_for(settings.served_model_id),
+                                model_id=settings.served_model_id,
+                                digest_memo=Path(settings.digest_memo),
+                                prefill_step=settings.prefill_step,
+                                prefix_cache_bytes=settings.prefix_cache_bytes,
+                                decode_slots=settings.decode_slots))
+
+
+async def _explain(settings: Settings, args: argparse.Namespace) -> int:
+    from cacheproxy.cli import explain
+
+    runner = _runner(settings)
+    await runner.start()
+    try:
+        return await explain.run(runner, settings, args.request, api=args.api,
+                                 api_key=args.api_key, scan=args.scan, as_json=args.json)
+    finally:
+        await runner.aclose()
+
+
+async def _verify(settings: Settings, args: argparse.Namespace) -> int:
+    from cacheproxy.cli.verify import print_report, verify
+
+    runner = _runner(settings)
     await runner.start()
     try:
         report = await verify(runner, settings.store, namespace=args.namespace,

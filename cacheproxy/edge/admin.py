@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+from typing import cast, get_args
+
 from aiohttp import web
 
 from backends.base import NamespacePurge
+from cacheproxy.edge.auth import identity_of, matches
 from cacheproxy.edge.route import json_response
-from cacheproxy.edge.state import PROXY
+from cacheproxy.edge.state import OPTIONS, PROXY, ROUTER
 from cacheproxy.edge.status import snapshot
 from cacheproxy.errors import InvalidRequest, RouteNotFound
 from cacheproxy.keys import codec
+from cacheproxy.keys.canonical import Route
 from cacheproxy.keys.fields import decode_body
 from cacheproxy.service.cassette import Cassette
+from cacheproxy.service.explain import explain as explain_request
+from cacheproxy.service.explain import report
 from cacheproxy.service.namespaces import Registry
+
+EXPLAIN_KEY = "X-Explain-Api-Key"
 
 
 async def stats(request: web.Request) -> web.Response:
@@ -79,3 +87,27 @@ async def flush(request: web.Request) -> web.Response:
         raise InvalidRequest("this store is no recording (jsonl://): it needs no flush")
     return json_response({"written": await store.flush(), "path": str(store.path),
                           "read_only": store.read_only})
+
+
+async def explain(request: web.Request) -> web.Response:
+    """POST /admin/explain[?api=chat|completions|responses|messages]: why the body sent (as
+    a client sends it) misses: its key, other namespaces holding it, the nearest entries and
+    the fields they differ in. Under --cache-scope per-key, `X-Explain-Api-Key` names the
+    tenant. Nothing is generated or stored."""
+    api = request.query.get("api", "chat")
+    if api not in get_args(Route):
+        raise InvalidRequest(f"api must be one of {', '.join(get_args(Route))}", param="api")
+    raw = await request.read()
+    options = request.app[OPTIONS]
+    scope = ""
+    if options.cache_scope == "per-key" and (tenant := request.headers.get(EXPLAIN_KEY)):
+        keys = tuple(k.encode() for k in options.api_keys)
+        if not matches(tenant.encode(), keys):
+            raise InvalidRequest(f"{EXPLAIN_KEY} is no configured API key", param=EXPLAIN_KEY)
+        scope = identity_of(tenant.encode())
+    proxy = request.app[ROUTER].route(raw, scope)
+    parsed = proxy.memos.parser.parse(raw, cast(Route, api), proxy.runner.defaults(),
+                                      proxy.options.sampling, scope)
+    found = await explain_request(proxy.store, parsed.request,
+                                  proxy.runner.fingerprint().digest, scope=scope)
+    return json_response(report(found))

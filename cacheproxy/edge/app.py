@@ -155,6 +155,7 @@ def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics,
             ("DELETE", "/admin/entries/{key:.+}", admin.delete_entry, guard),
             ("POST", "/admin/purge", admin.purge, guard),
             ("POST", "/admin/flush", admin.flush, guard),
+            ("POST", "/admin/explain", admin.explain, guard),
         ]
     allowed: dict[str, set[str]] = {}
     expect = expect_within(options.max_body_bytes, _refusal(options.max_body_bytes))

@@ -40,6 +40,11 @@ def client_identity(request: web.Request, keys: tuple[bytes, ...], *,
         also = f" or as '{header}: <key>'" if header else ""
         raise Unauthorized("Incorrect API key provided. Pass a valid key as "
                            f"'Authorization: Bearer <key>'{also}.")
+    return identity_of(token)
+
+
+def identity_of(token: bytes) -> str:
+    """The cache scope of an API key under `--cache-scope per-key` (not reversible)."""
     return xxhash.xxh3_64_hexdigest(token)
 
 

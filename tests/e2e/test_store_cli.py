@@ -192,3 +192,44 @@ async def test_stats_on_a_corrupt_registry_says_so_and_counts_the_rest(tmp_path:
     as_json = await cacheproxy("stats", "--store", store, "--json", check=False)
     assert as_json.returncode == 1
     assert "unreadable" in json.loads(as_json.stdout)["registry_error"]
+
+
+async def test_explain_names_the_field_a_miss_differs_in(make_proxy: ProxyFactory,
+                                                          tmp_path: Path) -> None:
+    # (#33) `cacheproxy explain` and POST /admin/explain: a stored request is a HIT (exit 0,
+    # the control), one that differs only in max_tokens or in a message names that field.
+    store = f"disk://{tmp_path}/store"
+    proxy = await make_proxy(store=store, admin_token="adm")
+    ask = {"messages": [{"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": "Who sleeps in the barn?"}], "max_tokens": 6}
+    other = {"messages": [{"role": "user", "content": "Tell me about the cat."}], "max_tokens": 6}
+    async with aiohttp.ClientSession() as session:
+        stored = []
+        for body in (ask, other):
+            async with session.post(proxy.url + "/v1/chat/completions", json=body) as resp:
+                assert resp.headers["X-Cache"] == "MISS"
+                stored.append(resp.headers["X-Cache-Key"])
+        stored_key = stored[0]
+        longer = {**ask, "max_tokens": 7}
+        async with session.post(proxy.url + "/admin/explain", json=longer,
+                                headers={"Authorization": "Bearer adm"}) as resp:
+            assert resp.status == 200
+            admin = await resp.json()
+    assert admin["stored"] is False and admin["complete"] and admin["scanned"] == 2
+    assert admin["nearest"][0] == {"key": stored_key, "differences": ["max_tokens"]}
+    assert admin["nearest"][1]["differences"][:1] == ["messages: 2 items vs 1"]
+
+    files = {}
+    for name, body in {"same": ask, "longer": longer, "owl": {**ask, "messages": [
+            ask["messages"][0], {"role": "user", "content": "Who sleeps in the den?"}]}}.items():
+        files[name] = tmp_path / f"{name}.json"
+        files[name].write_text(json.dumps(body))
+    same = await cacheproxy("explain", str(files["same"]), "--store", store, "--json",
+                            check=False)
+    assert same.returncode == 0 and json.loads(same.stdout)["key"] == stored_key
+    owl = await cacheproxy("explain", str(files["owl"]), "--store", store, check=False)
+    assert owl.returncode == 1, owl.stderr
+    assert f"nearest {stored_key}: differs in messages[1].content" in owl.stdout
+    refused = await cacheproxy("explain", str(files["same"]), "--store", store, "--api",
+                               "completions", check=False)
+    assert refused.returncode == 2 and "would refuse" in refused.stderr
