@@ -70,11 +70,12 @@ async def test_create_is_a_miss_then_a_hit_and_one_entry_with_chat_and_responses
     make_proxy: ProxyFactory
 ) -> None:
     proxy = await make_proxy()
-    first, h1 = await create(proxy, max_tokens=64, messages=FOX)
-    second, h2 = await create(proxy, max_tokens=64, messages=FOX)
+    thinking = {"type": "adaptive"}  # (absent is off, as in Anthropic's API)
+    first, h1 = await create(proxy, max_tokens=64, messages=FOX, thinking=thinking)
+    second, h2 = await create(proxy, max_tokens=64, messages=FOX, thinking=thinking)
     assert (h1["x-cache"], h2["x-cache"]) == ("MISS", "HIT")
     assert first.content == second.content and first.id != second.id
-    assert [b.type for b in first.content] == ["thinking", "text"]  # it thinks by default
+    assert [b.type for b in first.content] == ["thinking", "text"]
     assert first.stop_reason == "end_turn" and first.id.startswith("msg_")
     assert second.usage.cache_read_input_tokens == first.usage.input_tokens + \
         first.usage.cache_read_input_tokens and second.usage.input_tokens == 0
@@ -90,16 +91,21 @@ async def test_create_is_a_miss_then_a_hit_and_one_entry_with_chat_and_responses
         model=MODEL, input="What does the fox eat?", max_output_tokens=64)
     assert responses.headers["x-cache"] == "HIT" and responses.parse().output_text == text
     assert await proxy.entries() == 1
-    # Control: the same question without the thought is another answer, another entry.
-    _, h4 = await create(proxy, max_tokens=64, messages=FOX, thinking={"type": "disabled"})
+    # Control: the same question without the thought is another answer, another entry, and
+    # `thinking` absent is that one (opt-in, as in Anthropic's API; chat's default thinks).
+    off, h4 = await create(proxy, max_tokens=64, messages=FOX, thinking={"type": "disabled"})
     assert h4["x-cache"] == "MISS" and h4["x-cache-key"] != h1["x-cache-key"]
+    _, h5 = await create(proxy, max_tokens=64, messages=FOX)
+    assert h5["x-cache"] == "HIT" and h5["x-cache-key"] == h4["x-cache-key"]
+    assert [b.type for b in off.content] == ["text"]
 
 
 async def test_a_streamed_hit_has_the_events_and_boundaries_of_the_miss(
     make_proxy: ProxyFactory
 ) -> None:
     proxy = await make_proxy()
-    body = {"messages": [{"role": "user", "content": "Tell me about the cat."}]}
+    body = {"messages": [{"role": "user", "content": "Tell me about the cat."}],
+            "thinking": {"type": "adaptive"}}
     miss, miss_raw, h1 = await events(proxy, body)
     hit, hit_raw, h2 = await events(proxy, body)
     assert (h1["X-Cache"], h2["X-Cache"]) == ("MISS", "HIT")

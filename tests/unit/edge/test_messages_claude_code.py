@@ -83,7 +83,7 @@ def test_a_system_turns_effort_governs_the_answer_asked_now() -> None:
     late = {"role": "system", "content": "Now be quick.", "output_config": {"effort": "low"}}
     ours = messages(messages=[ASK, late], output_config={"effort": "high"})
     twin = chat(messages=[ASK, {"role": "system", "content": "Now be quick."}],
-                reasoning_effort="low")
+                chat_template_kwargs={"enable_thinking": False, "reasoning_effort": "low"})
     assert ours.request == twin.request
     earlier = messages(messages=[late, ASK], output_config={"effort": "high"})
     assert earlier.request.template_kwargs == twin.request.template_kwargs  # the last one set

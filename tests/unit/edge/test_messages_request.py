@@ -28,6 +28,8 @@ def messages(**body: Any) -> Parsed:
 
 
 def chat(**body: Any) -> Parsed:
+    """The chat twin of a Messages request: thinking off unless said (Messages' default)."""
+    body.setdefault("chat_template_kwargs", {"enable_thinking": False})
     return parse({"model": "demo", "max_tokens": 64, "messages": [ASK], **body}, "chat",
                  DEFAULTS, SamplingMode.FORCE_GREEDY)
 
@@ -73,21 +75,34 @@ def test_a_conversation_with_tools_keys_as_its_chat_twin() -> None:
                                                   "input_schema": SCHEMA}])) != key(ours)
 
 
-@pytest.mark.parametrize(("thinking", "effort", "kwargs"), [
-    (None, None, {}),
-    ({"type": "enabled", "budget_tokens": 32}, None, {"enable_thinking": True}),
-    ({"type": "adaptive"}, None, {"enable_thinking": True}),
-    ({"type": "disabled"}, None, {"enable_thinking": False}),
-    (None, "high", {"reasoning_effort": "high"}),
-    (None, "max", {"reasoning_effort": "xhigh"}),
+ADAPTIVE = {"type": "adaptive"}
+
+
+@pytest.mark.parametrize(("thinking", "effort", "kwargs", "chat_effort"), [
+    # Absent is off, as in Anthropic's API (the template here thinks by default).
+    (None, None, {"enable_thinking": False}, None),
+    ({"type": "enabled", "budget_tokens": 32}, None, {"enable_thinking": True}, None),
+    (ADAPTIVE, None, {"enable_thinking": True}, None),
+    ({"type": "disabled"}, None, {"enable_thinking": False}, None),
+    (ADAPTIVE, "high", {"enable_thinking": True}, "high"),
+    (ADAPTIVE, "max", {"enable_thinking": True}, "xhigh"),
+    (None, "low", {"enable_thinking": False, "reasoning_effort": "low"}, None),
 ])
 def test_thinking_and_effort_are_the_templates_switch_as_in_chat(
-    thinking: dict[str, Any] | None, effort: str | None, kwargs: dict[str, Any]
+    thinking: dict[str, Any] | None, effort: str | None, kwargs: dict[str, Any],
+    chat_effort: str | None,
 ) -> None:
     ours = messages(thinking=thinking, output_config={"effort": effort} if effort else None)
-    effort_of = kwargs.pop("reasoning_effort", None)
-    twin = chat(chat_template_kwargs=kwargs or None, reasoning_effort=effort_of)
+    twin = chat(chat_template_kwargs=kwargs, reasoning_effort=chat_effort)
     assert ours.request == twin.request
+
+
+def test_absent_thinking_is_not_the_templates_default() -> None:
+    # Control of the row above: chat's absent switch is the template's (on), Messages' is off.
+    plain = parse({"model": "demo", "max_tokens": 64, "messages": [ASK]}, "chat", DEFAULTS,
+                  SamplingMode.FORCE_GREEDY)
+    assert messages().request != plain.request
+    assert messages(thinking=ADAPTIVE).request == plain.request
 
 
 def test_disabled_thinking_with_an_effort_keeps_the_level_for_the_template() -> None:

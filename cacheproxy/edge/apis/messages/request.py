@@ -9,7 +9,8 @@ cap it is the cap: the answer then ends with `max_tokens` where the server stops
 tool with `defer_loading` is checked and not shown to the model: this server has no tool search
 to load it); `context_management` is applied to the turns (`context`);
 `thinking` is the template's thinking switch (`enabled` and `adaptive` on, `disabled` and
-`between_tools` off; absent: the template's default, as in chat; `budget_tokens` is checked
+`between_tools` off; absent: off, as in Anthropic's API, where thinking is opt-in, whatever
+the template's default; `budget_tokens` is checked
 and not enforced: the thought ends when the model ends it, within max_tokens). The canonical
 request is chat's, so a question asked through chat completions, Responses or Messages is
 one cache entry.
@@ -122,12 +123,13 @@ def _tool_choice(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
         chat["parallel_tool_calls"] = False
 
 
-def _thinking(body: Mapping[str, Any], max_tokens: int) -> tuple[bool | None, bool]:
-    """(the template's thinking switch, None for its default; whether the thought is shown
-    omitted)."""
+def _thinking(body: Mapping[str, Any], max_tokens: int) -> tuple[bool, bool]:
+    """(the template's thinking switch; whether the thought is shown omitted). Absent is off:
+    in Anthropic's API thinking is opt-in (Claude Code's MAX_THINKING_TOKENS=0 leaves the
+    field out), whatever the chat template's own default."""
     raw = fields.obj(body, "thinking")
     if not raw:
-        return None, False
+        return False, False
     unknown(raw, frozenset({"type", "budget_tokens", "display"}), "thinking")
     kind = raw.get("type")
     if kind == "enabled":
@@ -156,7 +158,7 @@ def _turn_effort(body: Mapping[str, Any]) -> str | None:
     return effort
 
 
-def _output(body: Mapping[str, Any], chat: dict[str, Any], switch: bool | None) -> None:
+def _output(body: Mapping[str, Any], chat: dict[str, Any], switch: bool) -> None:
     """output_config (and the older top-level output_format): format and effort."""
     config = fields.obj(body, "output_config")
     unknown(config, frozenset({"format", "effort"}), "output_config")
@@ -176,13 +178,12 @@ def _output(body: Mapping[str, Any], chat: dict[str, Any], switch: bool | None) 
     if effort is not None and effort not in _EFFORTS:
         raise InvalidRequest(f"'output_config.effort' must be one of {list(_EFFORTS)}",
                              param="output_config.effort")
-    kwargs: dict[str, Any] = {} if switch is None else {"enable_thinking": switch}
+    kwargs: dict[str, Any] = {"enable_thinking": switch}
     if effort is not None and switch is False:  # the level for templates that read it
         kwargs["reasoning_effort"] = _EFFORTS[effort]
     elif effort is not None:
         chat["reasoning_effort"] = _EFFORTS[effort]
-    if kwargs:
-        chat["chat_template_kwargs"] = kwargs
+    chat["chat_template_kwargs"] = kwargs
 
 
 def _max_tokens(body: Mapping[str, Any], *, required: bool) -> int | None:
