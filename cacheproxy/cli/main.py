@@ -57,6 +57,9 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                            "help": "bound to loopback without keys: browser origins allowed "
                                    "(scheme://host[:port]; '*' any); others get 403"}),
     ("--cache-scope", {"choices": ["shared", "per-key"]}),
+    ("--shared-prefixes", {"action": "store_const", "const": True,
+                           "help": "under --cache-scope per-key: every key reuses every key's "
+                                   "saved prefix states (their reuse shows what others sent)"}),
     ("--status-access", {"choices": ["auto", "admin", "api-key", "public"],
                          "help": "who may read /metrics and /status.json"}),
     ("--max-in-flight", {"type": int, "help": "requests served at once before 503"}),

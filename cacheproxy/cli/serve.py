@@ -62,7 +62,7 @@ def service_options(settings: Settings) -> ServiceOptions:
                           max_answer_tokens=settings.max_answer_tokens,
                           generation_timeout=settings.generation_timeout, ttl=settings.ttl,
                           store_retry=settings.store_retry, lock_ttl=settings.lock_ttl,
-                          replay=settings.replay)
+                          replay=settings.replay, shared_prefixes=settings.shared_prefixes)
 
 
 def build_runners(settings: Settings) -> list[Runner]:

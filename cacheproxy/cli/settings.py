@@ -58,6 +58,9 @@ class Settings:
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
     cache_scope: str = "shared"
+    # Under per-key scope: every key may reuse every key's saved prefix states (tenants who
+    # trust each other); off, each key reuses only its own.
+    shared_prefixes: bool = False
     admin_token: str = ""
     # Who may read /metrics and /status.json: "auto" is the admin token's holder when one is
     # set, else any API key's when keys are set, else everybody.

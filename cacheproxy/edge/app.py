@@ -32,10 +32,11 @@ from cacheproxy.edge.state import (
     PROXY,
     ROUTER,
     STARTED,
+    STATUS_READER,
     EdgeOptions,
     Served,
 )
-from cacheproxy.errors import ExpectationFailed, PayloadTooLarge, ProxyError
+from cacheproxy.errors import ExpectationFailed, PayloadTooLarge, ProxyError, Unauthorized
 from cacheproxy.observe.metrics import Metrics
 from cacheproxy.service.invalidation import Invalidator
 from cacheproxy.service.proxy import CachingProxy
@@ -111,8 +112,26 @@ def _status_guard(options: EdgeOptions, keys: tuple[bytes, ...]) -> dict[str, An
     return {}
 
 
+def _reader(guard: dict[str, Any]) -> Callable[[web.Request], bool]:
+    """Whether a request passes the status guard (any request, when there is none)."""
+    check = guard.get("guard")
+
+    def may_read(request: web.Request) -> bool:
+        if check is None:
+            return True
+        try:
+            check(request)
+        except Unauthorized:
+            return False
+        return True
+
+    return may_read
+
+
 def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics) -> None:
     keys = tuple(k.encode() for k in options.api_keys)
+    status_guard = _status_guard(options, keys)
+    app[STATUS_READER] = _reader(status_guard)
 
     def api_guard(request: web.Request) -> None:
         request[IDENTITY] = client_identity(request, keys)
@@ -127,8 +146,8 @@ def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics) ->
         ("POST", "/v1/responses", answers.responses, api),
         ("GET", "/v1/models", info.models, api),
         ("GET", "/health", info.health, {}),
-        ("GET", "/metrics", status.metrics, _status_guard(options, keys)),
-        ("GET", "/status.json", status.public_stats, _status_guard(options, keys)),
+        ("GET", "/metrics", status.metrics, status_guard),
+        ("GET", "/status.json", status.public_stats, status_guard),
         ("GET", "/", status.status_page, {}),  # a shell: its numbers come from /status.json
     ]
     if options.admin_token:  # no token configured: the admin API does not exist (404)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -51,3 +52,6 @@ IDENTITY = web.RequestKey("identity", str)
 MODELS = web.AppKey("models", dict[str, Served])
 ROUTER = web.AppKey("router", Router[CachingProxy])  # MODELS as the POST routes use them
 CONNECTIONS = web.AppKey("connections", dict[str, int])  # the connection guard's counters (serve)
+# Whether a request may read the traffic figures (`--status-access`): /health shows its
+# lane, counters and connections only to such a reader (it is open: load balancers poll it).
+STATUS_READER: web.AppKey[Callable[[web.Request], bool]] = web.AppKey("status_reader")

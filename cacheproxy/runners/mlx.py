@@ -148,12 +148,13 @@ class MlxRunner:
             state.update(prefixes.state())
         return state
 
-    def generate(self, request: CanonicalRequest) -> Generation:
-        """Queue a generation on the lane; 503 when the queue is full."""
+    def generate(self, request: CanonicalRequest, *, prefix_scope: str = "") -> Generation:
+        """Queue a generation on the lane (continuing only from prefix states saved by
+        `prefix_scope`); 503 when the queue is full."""
         queued = self._queued if self._slots is None else self._slots.outstanding
         if queued >= self._options.queue_size:
             raise Overloaded("the generation queue is full, retry later", retry_after=1.0)
-        generation = Generation()
+        generation = Generation(prefix_scope=prefix_scope)
         if self._slots is not None:
             self._slots.submit(request, generation)
             return generation
@@ -241,7 +242,8 @@ class MlxRunner:
             # The cache brought to where a cold prefill of this prompt passes a multiple of
             # the step (from a saved state when one holds a prefix); generate_step goes on
             # from there in the chunks it would have used.
-            reused, held = prefix.warm(loaded.prefixes, loaded.model, cache, ids)
+            reused, held = prefix.warm(loaded.prefixes, loaded.model, cache, ids,
+                                       generation.prefix_scope)
             processors = prefix.with_history(processors, ids[:held])
         generation.push(Prefill(reused, len(ids)))
         return generate_step(

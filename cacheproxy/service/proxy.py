@@ -85,6 +85,9 @@ class ServiceOptions:
     store_retry: float = 2.0  # seconds the breaker stays open after a store failure
     lock_ttl: float = 10.0  # lease of a cross-replica fill; renewed every third of it
     replay: bool = False  # never generate: what is not stored is not_recorded
+    # Under per-key scope, every tenant's saved prefix states are every tenant's to reuse
+    # (their reuse then tells one tenant which prompts others sent): off, each its own.
+    shared_prefixes: bool = False
 
 
 def _not_recorded(route: Route, parsed: Parsed, key: CacheKey) -> NotRecorded:
@@ -177,7 +180,7 @@ class CachingProxy:
                               lookup.age, serving)
             case Action.FILL | Action.FOLLOW | Action.REGENERATE | Action.GENERATE:
                 return await self._execute(the_plan, parsed, key, fingerprint,
-                                           None if found is None else found[0])
+                                           None if found is None else found[0], scope)
             case _:
                 assert_never(the_plan.action)
 
@@ -195,13 +198,15 @@ class CachingProxy:
         return Lookup(Found.ENTRY, max(0.0, self._clock() - created)), found
 
     async def _execute(self, the_plan: Plan, parsed: Parsed, key: CacheKey, fingerprint: str,
-                       previous: codec.Record | None) -> Flowing:
-        """Start (or join) the flight the plan asks for; return once it has begun."""
+                       previous: codec.Record | None, scope: str) -> Flowing:
+        """Start (or join) the flight the plan asks for; return once it has begun. (A
+        flight is per key, and a key per scope: no tenant follows another's generation.)"""
         action = the_plan.action
         shared = action in (Action.FILL, Action.FOLLOW)
         fill = self._filler.fill(FillOrder(
             request=parsed.request, fingerprint=fingerprint, store=the_plan.stores,
-            recheck=shared, previous=previous if action is Action.REGENERATE else None))
+            recheck=shared, previous=previous if action is Action.REGENERATE else None,
+            prefix_scope="" if self.options.shared_prefixes else scope))
         flight, _ = self.flights.join(key, fill, shared=shared)
         if parsed.delivery.stream:
             flight.live.start()  # so the runner delivers tokens as they come, not gathered
