@@ -33,6 +33,15 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--max-tokens-cap", {"type": int}),
     ("--max-answer-tokens", {"type": int, "help": "n x max_tokens x (1 + top_logprobs) "
                              "an answer may hold (400 above)"}),
+    ("--max-schema-bytes", {"type": int, "help": "bytes of one request's schemas (tools, "
+                            "response_format) as JSON (400 schema_too_complex above)"}),
+    ("--max-schema-properties", {"type": int,
+                                 "help": "object properties in one request's schemas"}),
+    ("--max-enum-values", {"type": int, "help": "enum and const values in one request's schemas"}),
+    ("--max-tools", {"type": int, "help": "tools (or functions) one request may offer"}),
+    ("--max-schema-depth", {"type": int, "help": "JSON nesting of one request's schemas"}),
+    ("--schema-timeout", {"type": float,
+                          "help": "seconds one request's schema checks may run (off the loop)"}),
     ("--prefill-step", {"type": int,
                         "help": "prompt tokens per prefill chunk (in the fingerprint)"}),
     ("--prefix-cache-bytes", {"type": int,

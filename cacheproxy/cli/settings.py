@@ -42,6 +42,14 @@ class Settings:
     max_tokens_cap: int = 4096
     # What one answer may hold: choices x tokens x (1 + logprob alternatives); ~60 bytes each.
     max_answer_tokens: int = 1 << 18
+    # What one request's schemas may cost (keys/budget.py): 400 schema_too_complex past it.
+    max_schema_bytes: int = 256 << 10
+    max_schema_properties: int = 5000
+    max_enum_values: int = 1000
+    max_tools: int = 128
+    max_schema_depth: int = 64
+    schema_timeout: float = 5.0  # seconds one request's schema checks may run
+    parse_off_loop: bool = True  # False (env only): schema checks on the event loop, a diagnostic
     prefill_step: int = PREFILL_STEP  # in-process: pinned in the fingerprint
     prefix_cache_bytes: int = PREFIX_CACHE_BYTES  # in-process exact prefix reuse; 0 = off
     decode_slots: int = 1  # in-process rows decoded together at a pinned shape (fingerprinted)
@@ -253,6 +261,12 @@ def validate(settings: Settings) -> None:
         "supersede_grace": settings.supersede_grace >= 0,
         "upstream_timeout": settings.upstream_timeout > 0,
         "prefill_step": settings.prefill_step >= 1,
+        "max_schema_bytes": settings.max_schema_bytes >= 1,
+        "max_schema_properties": settings.max_schema_properties >= 1,
+        "max_enum_values": settings.max_enum_values >= 1,
+        "max_tools": settings.max_tools >= 1,
+        "max_schema_depth": settings.max_schema_depth >= 1,
+        "schema_timeout": settings.schema_timeout > 0,
         "prefix_cache_bytes": settings.prefix_cache_bytes >= 0,
         "decode_slots": 1 <= settings.decode_slots <= 256,
     }
