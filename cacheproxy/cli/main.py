@@ -77,6 +77,11 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--idle-timeout", {"type": float, "help": "seconds a connection may take to send a "
                         "request's headers, after it opens or after its last response"}),
     ("--body-timeout", {"type": float, "help": "seconds a request body may take (408)"}),
+    ("--body-min-rate", {"type": float, "metavar": "BYTES_PER_S",
+                         "help": "rate a request body must keep up after 1 s (408; 0: none)"}),
+    ("--max-body-connections", {"type": int,
+                                "help": "connections in the middle of a request body; past "
+                                        "it the oldest is cut (408)"}),
     ("--send-timeout", {"type": float,
                         "help": "seconds a client may leave an answer unread before it is cut"}),
     ("--send-buffer", {"type": int, "metavar": "BYTES",

@@ -51,6 +51,8 @@ def build_app(settings: Settings, *, runner: Runner | None = None,
                           status_access=settings.status_readers,
                           max_in_flight=settings.max_in_flight,
                           body_timeout=settings.body_timeout,
+                          body_min_rate=settings.body_min_rate,
+                          max_body_reads=settings.max_body_connections,
                           store_label=redact_url(settings.store),
                           bound_host=settings.host, allowed_hosts=settings.allowed_hosts,
                           allowed_origins=settings.allowed_origins)

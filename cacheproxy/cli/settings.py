@@ -79,7 +79,9 @@ class Settings:
     # connection opens or its last response: slowloris and idle keep-alive alike), for its
     # body to arrive, and for a client to read what it is sent.
     idle_timeout: float = 15.0
-    body_timeout: float = 30.0
+    body_timeout: float = 10.0
+    body_min_rate: float = 1024.0  # bytes a second a body must keep up once 1 s has passed
+    max_body_connections: int = 64  # bodies arriving at once: past it the oldest is cut
     send_timeout: float = 30.0
     # The kernel's send buffer per client connection (SO_SNDBUF), 0: the kernel's own
     # (autotuned on Linux up to net.ipv4.tcp_wmem's maximum, 4 MB by default).
@@ -253,6 +255,8 @@ def validate(settings: Settings) -> None:
         "max_answer_tokens": settings.max_answer_tokens >= 1,
         "idle_timeout": settings.idle_timeout > 0,
         "body_timeout": settings.body_timeout > 0,
+        "body_min_rate": settings.body_min_rate >= 0,
+        "max_body_connections": settings.max_body_connections >= 1,
         "send_timeout": settings.send_timeout > 0,
         "send_buffer": settings.send_buffer >= 0,
         "store_retry": settings.store_retry > 0,

@@ -7,7 +7,6 @@ stored one, or a flight to relay.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from functools import partial
@@ -19,8 +18,8 @@ from aiohttp import web
 from cacheproxy.edge import render, responses_render
 from cacheproxy.edge.aiohttp_adapter import Body, Rendered, forget_frames, header_lines
 from cacheproxy.edge.route import JSON
-from cacheproxy.edge.state import CACHE_LOG, IDENTITY, IDS, OPTIONS, ROUTER
-from cacheproxy.errors import ClientGone, ProxyError, RequestTimeout, UnreadableBody
+from cacheproxy.edge.state import BODIES, CACHE_LOG, IDENTITY, IDS, OPTIONS, ROUTER
+from cacheproxy.errors import ClientGone, ProxyError, UnreadableBody
 from cacheproxy.keys.canonical import Parsed, Route
 from cacheproxy.keys.codec import Chunk, Output
 from cacheproxy.observe.logs import SharedFields
@@ -57,7 +56,7 @@ async def _complete(request: web.Request, endpoint: Route) -> web.StreamResponse
 
 async def _body(request: web.Request) -> bytes:
     """The request body: taken as is when all of it has arrived (a small POST usually has),
-    else read as aiohttp reads it, within --body-timeout (408 past it). Over client_max_size
+    else read within the body limits (edge/bodies.py: 408 past them). Over client_max_size
     is a 413 either way; a body whose Content-Encoding does not decode is a 400; a client
     gone mid-body, a 499."""
     content = request.content
@@ -65,12 +64,7 @@ async def _body(request: web.Request) -> bytes:
         if content.is_eof():
             raw = content.read_nowait()
         else:
-            async with asyncio.timeout(request.app[OPTIONS].body_timeout):
-                raw = await request.read()
-    except TimeoutError:
-        content.feed_eof()
-        raise RequestTimeout(f"the request body did not arrive within "
-                             f"{request.app[OPTIONS].body_timeout:g} s") from None
+            raw = await request.app[BODIES].read(request)
     except web.RequestPayloadError as exc:
         content.feed_eof()  # (read: aiohttp would read on after the answer, and fail again)
         raise UnreadableBody(f"the request body cannot be read ({exc}): its Content-Encoding "

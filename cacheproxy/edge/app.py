@@ -18,11 +18,13 @@ from aiohttp import web
 from cacheproxy.edge import admin, answers, info, status
 from cacheproxy.edge.aiohttp_adapter import expect_within
 from cacheproxy.edge.auth import check_admin, client_identity
+from cacheproxy.edge.bodies import BodyLimits, BodyReads
 from cacheproxy.edge.origin import guarded, site_guard
 from cacheproxy.edge.render import ResponseIds
 from cacheproxy.edge.route import Handler, Limits, edge, json_response, no_route
 from cacheproxy.edge.routing import Router
 from cacheproxy.edge.state import (
+    BODIES,
     IDENTITY,
     IDS,
     INVALIDATOR,
@@ -55,6 +57,9 @@ def create_app(options: EdgeOptions, parts: Parts) -> web.Application:
     app[STARTED] = time.time()
     app[IDS] = ResponseIds()
     app[METRICS] = metrics = Metrics()
+    app[BODIES] = BodyReads(BodyLimits(timeout=options.body_timeout,
+                                       min_rate=options.body_min_rate,
+                                       max_reading=options.max_body_reads))
     app.cleanup_ctx.append(_fold_tally)
     app.cleanup_ctx.append(_lifecycle(parts))
     _add_routes(app, options, metrics)
