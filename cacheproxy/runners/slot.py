@@ -82,7 +82,7 @@ class Slot:
         reused = held = 0
         if plan.prefixes is not None:
             reused, held = yield from prefix.warming(plan.prefixes, plan.model, self.cache, ids,
-                                                     self.generation.prefix_scope)
+                                                     self.generation.reuse_scope)
         self.generation.push(Prefill(reused, len(ids)))
         rest = ids[held:]
         while len(rest) > 1:  # as generate_step: whole steps, the last token kept back

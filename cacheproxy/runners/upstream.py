@@ -163,9 +163,9 @@ class UpstreamRunner:
                 log.warning("upstream_serves_other_model", upstream=member.url, serves=listed,
                             model_dir=mine)
 
-    def generate(self, request: CanonicalRequest, *, prefix_scope: str = "") -> Generation:
+    def generate(self, request: CanonicalRequest, *, reuse_scope: str = "") -> Generation:
         """Queue a generation on the least busy lane; 503 when that lane's queue is full.
-        (`prefix_scope` has no use here: the proxy saves no prefix states upstream.)"""
+        (`reuse_scope` has no use here: nothing is reused in the proxy upstream.)"""
         if request.logprobs:
             raise Unsupported("logprobs are not available through an upstream mlx_lm.server "
                               "(its stream carries none)", param="logprobs")

@@ -88,8 +88,9 @@ class ServiceOptions:
     store_retry: float = 2.0  # seconds the breaker stays open after a store failure
     lock_ttl: float = 10.0  # lease of a cross-replica fill; renewed every third of it
     replay: bool = False  # never generate: what is not stored is not_recorded
-    # Under per-key scope, every tenant's saved prefix states are every tenant's to reuse
-    # (their reuse then tells one tenant which prompts others sent): off, each its own.
+    # Under per-key scope, every tenant's saved prefix states and compiled grammars are
+    # every tenant's to reuse (their reuse then tells one tenant which prompts others sent):
+    # off, each its own.
     shared_prefixes: bool = False
     schema_budget: SchemaBudget = SchemaBudget()  # what one request's schemas may cost
     parse_timeout: float = 5.0  # seconds one request's schema checks may run
@@ -215,7 +216,7 @@ class CachingProxy:
         fill = self._filler.fill(FillOrder(
             request=parsed.request, fingerprint=fingerprint, store=the_plan.stores,
             recheck=shared, previous=previous if action is Action.REGENERATE else None,
-            prefix_scope="" if self.options.shared_prefixes else scope))
+            reuse_scope="" if self.options.shared_prefixes else scope))
         flight, _ = self.flights.join(key, fill, shared=shared)
         if parsed.delivery.stream:
             flight.live.start()  # so the runner delivers tokens as they come, not gathered
