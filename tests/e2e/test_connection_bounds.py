@@ -82,12 +82,12 @@ async def test_a_caller_without_a_key_is_answered_401_and_closed_unread(
     proxy = await make_proxy(api_keys=("right",), body_min_rate=0.0)  # (only the 401 cuts)
 
     def announce(key: str) -> tuple[bytes, float]:
-        """What a client that announces 1 MB and sends 10 bytes gets within 3 s."""
+        """What a client that announces 1 MB and sends 10 bytes gets within 1.5 s."""
         with socket.create_connection(("127.0.0.1", _port(proxy.url))) as sock:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: "
                          b"Bearer %b\r\nContent-Length: 1000000\r\n\r\n0123456789"
                          % key.encode())
-            sock.settimeout(3)
+            sock.settimeout(1.5)
             started, got = time.monotonic(), b""
             with contextlib.suppress(TimeoutError, ConnectionResetError):
                 while chunk := sock.recv(65536):
@@ -208,11 +208,14 @@ async def test_slow_bodies_cannot_lock_out_fresh_or_keep_alive_clients(
 async def test_control_without_the_body_bound_slow_bodies_lock_them_out(
         make_proxy: ProxyFactory) -> None:
     # Control: the guard as it was (slow bodies not evictable): the keep-alive client is
-    # evicted for the first fresh one, and the rest are refused.
+    # evicted for the first fresh one; the later ones take the place of an earlier fresh
+    # one still open, or are refused (how many of each depends on when the server sees
+    # their closes).
     proxy, keep_alive, guard = await _guarded(make_proxy, with_bodies=False)
     served, again, _ = await asyncio.to_thread(_lockout, proxy, keep_alive)
     keep_alive.close()
-    assert served <= 1 and again != 200, (served, again, guard.counters)
+    assert again != 200, (served, again, guard.counters)
+    assert guard.counters["bodies_evicted"] == 0, guard.counters
 
 
 def test_send_buffer_bounds_what_the_kernel_holds_for_each_accepted_connection() -> None:
