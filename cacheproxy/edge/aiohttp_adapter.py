@@ -250,7 +250,8 @@ def expect_within(limit: int, refuse: Callable[[int | str], web.StreamResponse]
         length = request.content_length
         if value.lower() != "100-continue" or (limit and length is not None and length > limit):
             response = refuse(value if value.lower() != "100-continue" else length or 0)
-            response.force_close()  # the body it announced is never read
+            response.force_close()  # the body it announced is never read (nor lingered on)
+            request.content.feed_eof()
             return response
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # (as aiohttp's own handler does)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -117,6 +117,27 @@ def _status_guard(options: EdgeOptions, keys: tuple[bytes, ...]) -> dict[str, An
     return {}
 
 
+def _guarded_expect(expect: Callable[[web.Request], Awaitable[web.StreamResponse | None]],
+                    guard: Callable[[web.Request], object] | None
+                    ) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:
+    """A route's Expect handler that runs its guard first: a caller without a key (or from
+    a refused site) gets its 401 (403) instead of `100 Continue`, and is closed unread."""
+    if guard is None:
+        return expect
+
+    async def checked(request: web.Request) -> web.StreamResponse | None:
+        try:
+            guard(request)
+        except ProxyError as exc:
+            response = json_response(exc.body(), status=exc.status, headers=exc.headers())
+            response.force_close()  # the body it announced is never read (nor lingered on)
+            request.content.feed_eof()
+            return response
+        return await expect(request)
+
+    return checked
+
+
 def _reader(guard: dict[str, Any]) -> Callable[[web.Request], bool]:
     """Whether a request passes the status guard (any request, when there is none)."""
     check = guard.get("guard")
@@ -170,8 +191,8 @@ def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics) ->
     site = site_guard(options.bound_host, options.api_keys, hosts=options.allowed_hosts,
                       origins=options.allowed_origins) if options.bound_host else None
     for method, path, handler, route_options in routes:
-        app.router.add_route(method, path,
-                             edge(handler, endpoint=path, **guarded(route_options, site)),
-                             expect_handler=expect)
+        with_site = guarded(route_options, site)
+        app.router.add_route(method, path, edge(handler, endpoint=path, **with_site),
+                             expect_handler=_guarded_expect(expect, with_site.get("guard")))
         allowed.setdefault(path, set()).add(method)
     app.router.add_route("*", "/{tail:.*}", edge(no_route(allowed), **guarded({}, site)))

@@ -101,6 +101,13 @@ async def test_a_caller_without_a_key_is_answered_401_and_closed_unread(
     # Control: with the right key the proxy waits for the body it was promised.
     got, closed_after = await asyncio.to_thread(announce, "right")
     assert got == b"" and closed_after == float("inf")
+    # Asking `Expect: 100-continue` first: the 401 instead of an invitation to send the body
+    # (control: with the right key, the invitation).
+    got, closed_after = await asyncio.to_thread(announce, "wrong\r\nExpect: 100-continue")
+    assert got.startswith(b"HTTP/1.1 401") and b"100 Continue" not in got, got
+    assert closed_after < 1.0
+    got, _ = await asyncio.to_thread(announce, "right\r\nExpect: 100-continue")
+    assert got.startswith(b"HTTP/1.1 100 Continue"), got
 
 
 async def test_past_max_body_connections_the_oldest_body_is_cut(
