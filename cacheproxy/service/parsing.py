@@ -5,13 +5,15 @@ Most bodies parse in microseconds, on the loop. A body that carries schemas (too
 functions, response_format, Responses' text) or is large costs up to seconds of checks
 (jsonschema, llguidance), during which the loop would serve nobody, cached HITs included.
 Such a body is counted against the `SchemaBudget` and parsed on `ParsePool`'s worker: one
-thread, a bounded number of parses outstanding (503 past it), and a deadline for each once
-it runs (400 `schema_too_complex` past it). A repeat of a remembered parse takes neither.
+thread, a bounded number of parses outstanding, a quarter of them per cache scope (503 past
+either), and a deadline for each once it runs (400 `schema_too_complex` past it). A repeat
+of a remembered parse takes neither.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -35,13 +37,19 @@ class ParsePool:
     def __init__(self, *, max_outstanding: int = 16, timeout: float = 5.0) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parse")
         self.max_outstanding = max_outstanding
+        # One cache scope (a key under per-key) holds at most a quarter of the places: a
+        # key that floods schemas gets its 503s while the others' checks still get in.
+        self.max_per_scope = max(1, max_outstanding // 4)
         self.timeout = timeout
         self.outstanding = 0  # submitted and not finished (a timed-out one still runs)
+        self._by_scope: Counter[str] = Counter()
 
-    async def run(self, job: Callable[[], T]) -> T:
-        """`job()` on the worker; 503 when too many are outstanding, 400 when it runs past
-        the deadline (it goes on, counted, until it ends: a thread cannot be stopped)."""
-        if self.outstanding >= self.max_outstanding:
+    async def run(self, job: Callable[[], T], scope: str = "") -> T:
+        """`job()` on the worker; 503 when too many are outstanding (of all, or of this
+        scope's), 400 when it runs past the deadline (it goes on, counted, until it ends:
+        a thread cannot be stopped)."""
+        if self.outstanding >= self.max_outstanding or \
+                self._by_scope[scope] >= self.max_per_scope:
             raise Overloaded("too many requests with schemas are being checked, retry later")
         loop = asyncio.get_running_loop()
         started = asyncio.Event()
@@ -51,8 +59,9 @@ class ParsePool:
             return job()
 
         self.outstanding += 1
+        self._by_scope[scope] += 1
         future = loop.run_in_executor(self._executor, timed)
-        future.add_done_callback(self._done)
+        future.add_done_callback(lambda _: self._done(scope))
         await started.wait()  # (behind the others: each bounded by the budget and deadline)
         try:
             async with asyncio.timeout(self.timeout):
@@ -61,8 +70,11 @@ class ParsePool:
             raise SchemaTooComplex(f"checking the request's schemas took over {self.timeout:g} "
                                    "s, this server's limit") from None
 
-    def _done(self, _: object) -> None:
+    def _done(self, scope: str) -> None:
         self.outstanding -= 1
+        self._by_scope[scope] -= 1
+        if not self._by_scope[scope]:
+            del self._by_scope[scope]
 
     def close(self) -> None:
         """Drop the parses not started; the one running ends on its own."""
@@ -122,7 +134,7 @@ class ParseMemo:
                 whole = decoded if decoded is not None else decode_body(raw)
                 return self._parse_body(whole, route, defaults, mode)
 
-            parsed = await self.pool.run(job)
+            parsed = await self.pool.run(job, scope)
         return self._remember(raw, route, defaults, mode, scope, parsed)
 
     def _parse_body(self, body: object, route: Route, defaults: RunnerDefaults,

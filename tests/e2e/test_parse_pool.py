@@ -13,9 +13,12 @@ import time
 from typing import Any
 
 import aiohttp
+import pytest
 
 from cacheproxy.cli.settings import DEMO_MODEL_ID
 from cacheproxy.edge.state import PROXY
+from cacheproxy.errors import Overloaded
+from cacheproxy.service.parsing import ParsePool
 from tests.conftest import Proxy, ProxyFactory
 
 HIT_BODY = {"model": DEMO_MODEL_ID, "max_tokens": 4,
@@ -133,3 +136,25 @@ async def test_a_schema_check_over_the_time_budget_is_a_400(make_proxy: ProxyFac
     async with aiohttp.ClientSession() as session:  # control: a small schema in time
         status, _ = await _post(session, await make_proxy(), _wide(3))
     assert status == 200
+
+
+async def test_one_key_holds_at_most_a_quarter_of_the_parse_places() -> None:
+    """(The pool alone: jobs that wait on an event.) One scope flooding gets its 503 at its
+    quarter, while another scope's check still gets in; control: the places it held come
+    back when its checks end."""
+    pool = ParsePool(max_outstanding=8, timeout=30.0)
+    release = threading.Event()
+    try:
+        held = [asyncio.create_task(pool.run(release.wait, "flooder")) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        with pytest.raises(Overloaded):
+            await pool.run(release.wait, "flooder")
+        other = asyncio.create_task(pool.run(lambda: "checked", "other"))
+        await asyncio.sleep(0.1)
+        assert pool.outstanding == 3  # (the other one queued behind the flooder's first)
+        release.set()
+        assert await other == "checked" and all(await asyncio.gather(*held))
+        assert await pool.run(lambda: "again", "flooder") == "again"
+    finally:
+        release.set()
+        pool.close()
