@@ -5,18 +5,19 @@ Most bodies parse in microseconds, on the loop. A body that carries schemas (too
 functions, response_format, Responses' text) or is large costs up to seconds of checks
 (jsonschema, llguidance), during which the loop would serve nobody, cached HITs included.
 Such a body is counted against the `SchemaBudget` and parsed on `ParsePool`'s worker: one
-thread, a bounded number of parses outstanding, a quarter of them per cache scope (503 past
-either), and a deadline for each once it runs (400 `schema_too_complex` past it). A repeat
-of a remembered parse takes neither.
+thread, taking the cache scopes (keys, under per-key) in turns; a bounded number of parses
+outstanding, of all and of one scope (503 past either); and a deadline for each once it
+runs (400 `schema_too_complex` past it). A repeat of a remembered parse takes neither.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 from cacheproxy.errors import Overloaded, SchemaTooComplex
 from cacheproxy.keys import budget
@@ -31,18 +32,31 @@ T = TypeVar("T")
 INLINE_BODY = 16 << 10  # bodies up to this size are decoded on the loop (tens of us)
 
 
-class ParsePool:
-    """The worker that runs expensive parses (see the module docstring)."""
+@dataclass(slots=True)
+class _Job:
+    """A parse waiting for the worker, and what its request awaits."""
 
-    def __init__(self, *, max_outstanding: int = 16, timeout: float = 5.0) -> None:
+    run: Callable[[], Any]
+    started: asyncio.Event
+    done: asyncio.Future[Any]
+
+
+class ParsePool:
+    """The worker that runs expensive parses (see the module docstring), in turns: one job
+    of each cache scope with jobs waiting, the scope served longest ago first, so a key
+    that floods schemas delays another key's check by one check at most."""
+
+    def __init__(self, *, max_outstanding: int = 256, max_per_scope: int = 32,
+                 timeout: float = 5.0) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parse")
-        self.max_outstanding = max_outstanding
-        # One cache scope (a key under per-key) holds at most a quarter of the places: a
-        # key that floods schemas gets its 503s while the others' checks still get in.
-        self.max_per_scope = max(1, max_outstanding // 4)
+        self.max_outstanding, self.max_per_scope = max_outstanding, max_per_scope
         self.timeout = timeout
         self.outstanding = 0  # submitted and not finished (a timed-out one still runs)
+        self._waiting: dict[str, deque[_Job]] = {}
         self._by_scope: Counter[str] = Counter()
+        self._turns: dict[str, int] = {}  # scope -> the turn it was last served in
+        self._turn = 0
+        self._busy = False
 
     async def run(self, job: Callable[[], T], scope: str = "") -> T:
         """`job()` on the worker; 503 when too many are outstanding (of all, or of this
@@ -52,32 +66,53 @@ class ParsePool:
                 self._by_scope[scope] >= self.max_per_scope:
             raise Overloaded("too many requests with schemas are being checked, retry later")
         loop = asyncio.get_running_loop()
-        started = asyncio.Event()
-
-        def timed() -> T:
-            loop.call_soon_threadsafe(started.set)
-            return job()
-
+        queued = _Job(job, asyncio.Event(), loop.create_future())
+        self._waiting.setdefault(scope, deque()).append(queued)
         self.outstanding += 1
         self._by_scope[scope] += 1
-        future = loop.run_in_executor(self._executor, timed)
-        future.add_done_callback(lambda _: self._done(scope))
-        await started.wait()  # (behind the others: each bounded by the budget and deadline)
+        self._next()
+        await queued.started.wait()  # (in turn: each bounded by the budget and deadline)
         try:
             async with asyncio.timeout(self.timeout):
-                return await asyncio.shield(future)
+                return cast(T, await asyncio.shield(queued.done))
         except TimeoutError:
             raise SchemaTooComplex(f"checking the request's schemas took over {self.timeout:g} "
                                    "s, this server's limit") from None
 
-    def _done(self, scope: str) -> None:
+    def _next(self) -> None:
+        """Start the next job on the worker if it is free: the scope served longest ago."""
+        if self._busy or not self._waiting:
+            return
+        scope = min(self._waiting, key=lambda s: self._turns.get(s, -1))
+        queue = self._waiting[scope]
+        queued = queue.popleft()
+        if not queue:
+            del self._waiting[scope]
+        self._turn += 1
+        self._turns[scope] = self._turn
+        self._busy = True
+        queued.started.set()
+        future = asyncio.get_running_loop().run_in_executor(self._executor, queued.run)
+        future.add_done_callback(lambda f: self._ended(f, queued, scope))
+
+    def _ended(self, future: asyncio.Future[Any], queued: _Job, scope: str) -> None:
+        self._busy = False
         self.outstanding -= 1
         self._by_scope[scope] -= 1
         if not self._by_scope[scope]:
-            del self._by_scope[scope]
+            del self._by_scope[scope]  # (its turn is kept: one per key, a few bytes)
+        if not queued.done.done():
+            if future.cancelled():
+                queued.done.cancel()
+            elif (error := future.exception()) is not None:
+                queued.done.set_exception(error)
+            else:
+                queued.done.set_result(future.result())
+        self._next()
 
     def close(self) -> None:
         """Drop the parses not started; the one running ends on its own."""
+        self._waiting.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 

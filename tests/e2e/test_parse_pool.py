@@ -138,23 +138,35 @@ async def test_a_schema_check_over_the_time_budget_is_a_400(make_proxy: ProxyFac
     assert status == 200
 
 
-async def test_one_key_holds_at_most_a_quarter_of_the_parse_places() -> None:
-    """(The pool alone: jobs that wait on an event.) One scope flooding gets its 503 at its
-    quarter, while another scope's check still gets in; control: the places it held come
-    back when its checks end."""
-    pool = ParsePool(max_outstanding=8, timeout=30.0)
-    release = threading.Event()
+async def test_keys_take_turns_on_the_parse_worker() -> None:
+    """(The pool alone: jobs that record their order.) A key flooding schemas delays another
+    key's check by the one running, not by its whole queue; past its own bound it gets a
+    503 while the other key still gets in."""
+    pool = ParsePool(max_outstanding=8, max_per_scope=3, timeout=30.0)
+    release, order = threading.Event(), []
+
+    def job(name: str, wait: bool = False) -> str:
+        if wait:
+            release.wait()
+        order.append(name)
+        return name
+
     try:
-        held = [asyncio.create_task(pool.run(release.wait, "flooder")) for _ in range(2)]
+        flood = [asyncio.create_task(pool.run(lambda n=n: job(n, n == "a1"), "flooder"))
+                 for n in ("a1", "a2", "a3")]
         await asyncio.sleep(0.1)
-        with pytest.raises(Overloaded):
-            await pool.run(release.wait, "flooder")
-        other = asyncio.create_task(pool.run(lambda: "checked", "other"))
+        with pytest.raises(Overloaded):  # its fourth: over its own bound
+            await pool.run(lambda: job("a4"), "flooder")
+        other = asyncio.create_task(pool.run(lambda: job("b1"), "other"))
         await asyncio.sleep(0.1)
-        assert pool.outstanding == 3  # (the other one queued behind the flooder's first)
         release.set()
-        assert await other == "checked" and all(await asyncio.gather(*held))
-        assert await pool.run(lambda: "again", "flooder") == "again"
+        assert await other == "b1" and await asyncio.gather(*flood) == ["a1", "a2", "a3"]
+        assert order == ["a1", "b1", "a2", "a3"], order  # b1 right after the running one
+        # Control: alone, one key's jobs run in the order they came.
+        order.clear()
+        assert await asyncio.gather(*(pool.run(lambda n=n: job(n), "flooder")
+                                      for n in ("c1", "c2", "c3"))) == ["c1", "c2", "c3"]
+        assert order == ["c1", "c2", "c3"]
     finally:
         release.set()
         pool.close()
