@@ -70,6 +70,8 @@ class Unauthorized(ProxyError):
     status = 401
     type = "invalid_request_error"
     code = "invalid_api_key"
+    # Closed at once: the body of a caller without a key is never read (nor lingered on).
+    closes = True
 
 
 class Forbidden(ProxyError):

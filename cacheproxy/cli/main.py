@@ -36,6 +36,15 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--max-tokens-cap", {"type": int}),
     ("--max-answer-tokens", {"type": int, "help": "n x max_tokens x (1 + top_logprobs) "
                              "an answer may hold (400 above)"}),
+    ("--max-schema-bytes", {"type": int, "help": "bytes of one request's schemas (tools, "
+                            "response_format) as JSON (400 schema_too_complex above)"}),
+    ("--max-schema-properties", {"type": int,
+                                 "help": "object properties in one request's schemas"}),
+    ("--max-enum-values", {"type": int, "help": "enum and const values in one request's schemas"}),
+    ("--max-tools", {"type": int, "help": "tools (or functions) one request may offer"}),
+    ("--max-schema-depth", {"type": int, "help": "JSON nesting of one request's schemas"}),
+    ("--schema-timeout", {"type": float,
+                          "help": "seconds one request's schema checks may run (off the loop)"}),
     ("--prefill-step", {"type": int,
                         "help": "prompt tokens per prefill chunk (in the fingerprint)"}),
     ("--prefix-cache-bytes", {"type": int,
@@ -60,6 +69,9 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                            "help": "bound to loopback without keys: browser origins allowed "
                                    "(scheme://host[:port]; '*' any); others get 403"}),
     ("--cache-scope", {"choices": ["shared", "per-key"]}),
+    ("--shared-prefixes", {"action": "store_const", "const": True,
+                           "help": "under --cache-scope per-key: every key reuses every key's "
+                                   "saved prefix states (their reuse shows what others sent)"}),
     ("--status-access", {"choices": ["auto", "admin", "api-key", "public"],
                          "help": "who may read /metrics and /status.json"}),
     ("--max-in-flight", {"type": int, "help": "requests served at once before 503"}),
@@ -68,6 +80,11 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--idle-timeout", {"type": float, "help": "seconds a connection may take to send a "
                         "request's headers, after it opens or after its last response"}),
     ("--body-timeout", {"type": float, "help": "seconds a request body may take (408)"}),
+    ("--body-min-rate", {"type": float, "metavar": "BYTES_PER_S",
+                         "help": "rate a request body must keep up after 1 s (408; 0: none)"}),
+    ("--max-body-connections", {"type": int,
+                                "help": "connections in the middle of a request body; past "
+                                        "it the oldest is cut (408)"}),
     ("--send-timeout", {"type": float,
                         "help": "seconds a client may leave an answer unread before it is cut"}),
     ("--send-buffer", {"type": int, "metavar": "BYTES",

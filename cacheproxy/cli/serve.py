@@ -27,6 +27,7 @@ from cacheproxy.cli.settings import Settings, UpstreamPool
 from cacheproxy.edge.apis import PARSERS
 from cacheproxy.edge.app import create_app
 from cacheproxy.edge.state import CONNECTIONS, EdgeOptions
+from cacheproxy.keys.budget import SchemaBudget
 from cacheproxy.observe.logs import BatchedLines
 from cacheproxy.runners.base import Runner
 from cacheproxy.runners.mlx import MlxOptions, MlxRunner
@@ -51,6 +52,8 @@ def build_app(settings: Settings, *, runner: Runner | None = None,
                           status_access=settings.status_readers,
                           max_in_flight=settings.max_in_flight,
                           body_timeout=settings.body_timeout,
+                          body_min_rate=settings.body_min_rate,
+                          max_body_reads=settings.max_body_connections,
                           store_label=redact_url(settings.store),
                           bound_host=settings.host, allowed_hosts=settings.allowed_hosts,
                           allowed_origins=settings.allowed_origins)
@@ -63,7 +66,14 @@ def service_options(settings: Settings) -> ServiceOptions:
                           max_answer_tokens=settings.max_answer_tokens,
                           generation_timeout=settings.generation_timeout, ttl=settings.ttl,
                           store_retry=settings.store_retry, lock_ttl=settings.lock_ttl,
-                          replay=settings.replay)
+                          replay=settings.replay, shared_prefixes=settings.shared_prefixes,
+                          schema_budget=SchemaBudget(
+                              max_bytes=settings.max_schema_bytes,
+                              max_properties=settings.max_schema_properties,
+                              max_enum_values=settings.max_enum_values,
+                              max_tools=settings.max_tools, max_depth=settings.max_schema_depth),
+                          parse_timeout=settings.schema_timeout,
+                          parse_off_loop=settings.parse_off_loop)
 
 
 def build_runners(settings: Settings) -> list[Runner]:

@@ -42,6 +42,14 @@ class Settings:
     max_tokens_cap: int = 4096
     # What one answer may hold: choices x tokens x (1 + logprob alternatives); ~60 bytes each.
     max_answer_tokens: int = 1 << 18
+    # What one request's schemas may cost (keys/budget.py): 400 schema_too_complex past it.
+    max_schema_bytes: int = 256 << 10
+    max_schema_properties: int = 5000
+    max_enum_values: int = 1000
+    max_tools: int = 128
+    max_schema_depth: int = 64
+    schema_timeout: float = 5.0  # seconds one request's schema checks may run
+    parse_off_loop: bool = True  # False (env only): schema checks on the event loop, a diagnostic
     prefill_step: int = PREFILL_STEP  # in-process: pinned in the fingerprint
     prefix_cache_bytes: int = PREFIX_CACHE_BYTES  # in-process exact prefix reuse; 0 = off
     decode_slots: int = 1  # in-process rows decoded together at a pinned shape (fingerprinted)
@@ -58,6 +66,9 @@ class Settings:
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
     cache_scope: str = "shared"
+    # Under per-key scope: every key may reuse every key's saved prefix states (tenants who
+    # trust each other); off, each key reuses only its own.
+    shared_prefixes: bool = False
     admin_token: str = ""
     # Who may read /metrics and /status.json: "auto" is the admin token's holder when one is
     # set, else any API key's when keys are set, else everybody.
@@ -68,7 +79,9 @@ class Settings:
     # connection opens or its last response: slowloris and idle keep-alive alike), for its
     # body to arrive, and for a client to read what it is sent.
     idle_timeout: float = 15.0
-    body_timeout: float = 30.0
+    body_timeout: float = 10.0
+    body_min_rate: float = 1024.0  # bytes a second a body must keep up once 1 s has passed
+    max_body_connections: int = 64  # bodies arriving at once: past it the oldest is cut
     send_timeout: float = 30.0
     # The kernel's send buffer per client connection (SO_SNDBUF), 0: the kernel's own
     # (autotuned on Linux up to net.ipv4.tcp_wmem's maximum, 4 MB by default).
@@ -242,6 +255,8 @@ def validate(settings: Settings) -> None:
         "max_answer_tokens": settings.max_answer_tokens >= 1,
         "idle_timeout": settings.idle_timeout > 0,
         "body_timeout": settings.body_timeout > 0,
+        "body_min_rate": settings.body_min_rate >= 0,
+        "max_body_connections": settings.max_body_connections >= 1,
         "send_timeout": settings.send_timeout > 0,
         "send_buffer": settings.send_buffer >= 0,
         "store_retry": settings.store_retry > 0,
@@ -250,6 +265,12 @@ def validate(settings: Settings) -> None:
         "supersede_grace": settings.supersede_grace >= 0,
         "upstream_timeout": settings.upstream_timeout > 0,
         "prefill_step": settings.prefill_step >= 1,
+        "max_schema_bytes": settings.max_schema_bytes >= 1,
+        "max_schema_properties": settings.max_schema_properties >= 1,
+        "max_enum_values": settings.max_enum_values >= 1,
+        "max_tools": settings.max_tools >= 1,
+        "max_schema_depth": settings.max_schema_depth >= 1,
+        "schema_timeout": settings.schema_timeout > 0,
         "prefix_cache_bytes": settings.prefix_cache_bytes >= 0,
         "decode_slots": 1 <= settings.decode_slots <= 256,
     }

@@ -41,10 +41,11 @@ import orjson
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion, HttpVersion10, HttpVersion11
+from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from multidict import CIMultiDict
 
-from cacheproxy.errors import Overloaded
+from cacheproxy.errors import Overloaded, RequestTimeout
 
 _REASONS = {status.value: status.phrase for status in HTTPStatus}  # (as aiohttp's own)
 _SERVER = f"Server: {SERVER_SOFTWARE}\r\n".encode()
@@ -56,7 +57,8 @@ PRIVATE_ATTRIBUTES = {
                        "_status", "_reason", "_headers", "_body_length", "_state"),
     "BaseRequest": ("_prepare_hook",),
     "Server": ("connection_made", "connections"),
-    "RequestHandler": ("_waiter", "force_close", "transport"),
+    "RequestHandler": ("_waiter", "force_close", "transport", "_request_count",
+                       "_current_request", "_messages"),
 }
 
 
@@ -257,7 +259,8 @@ def expect_within(limit: int, refuse: Callable[[int | str], web.StreamResponse]
         length = request.content_length
         if value.lower() != "100-continue" or (limit and length is not None and length > limit):
             response = refuse(value if value.lower() != "100-continue" else length or 0)
-            response.force_close()  # the body it announced is never read
+            response.force_close()  # the body it announced is never read (nor lingered on)
+            request.content.feed_eof()
             return response
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # (as aiohttp's own handler does)
@@ -269,10 +272,14 @@ def expect_within(limit: int, refuse: Callable[[int | str], web.StreamResponse]
 class ConnectionGuard:
     """Bounds on the connections of one aiohttp Server.
 
-    - Past `max_connections`, a new connection takes the place of the oldest one that is
-      waiting for a request (a slowloris trickling its headers, an idle keep-alive one);
-      only when every connection is inside a request is the new one refused (503). So
-      clients that never finish their headers cannot lock the others out.
+    - Past `max_connections`, a new connection takes the place of another: the oldest one
+      still waiting for its first request's headers (a slowloris), else the oldest whose
+      request's body is still arriving (a client trickling its body: the body is cut, its
+      request answered 408 and its connection closed), else the oldest idle keep-alive
+      one; only when every connection is inside a request that is being answered is the
+      new one refused (503). So clients that never finish their headers or bodies cannot
+      lock the others out, and established clients go last. (`cut_bodies=False`: bodies
+      are not cut, as before #34; a diagnostic.)
     - A connection whose answer has sat unread in its write buffer for `send_timeout`
       (the buffer never shrank) is aborted, its buffered answer dropped: a client that
       stops reading costs its buffer for that long, never for good.
@@ -282,13 +289,17 @@ class ConnectionGuard:
     """
 
     def __init__(self, server: web.Server, max_connections: int, *,
-                 send_timeout: float = 30.0, counters: dict[str, int] | None = None) -> None:
+                 send_timeout: float = 30.0, counters: dict[str, int] | None = None,
+                 cut_bodies: bool = True) -> None:
         self._server = server
+        self._cut_bodies = cut_bodies
         self._max = max_connections
         self._send_timeout = send_timeout
         self._unread: dict[RequestHandler, tuple[int, float]] = {}  # buffer size, since
+        self._closing: set[RequestHandler] = set()  # evicted, closed on the next turn
         self.counters = counters if counters is not None else {}
-        self.counters.update(connections_evicted=0, connections_refused=0, send_timeouts=0)
+        self.counters.update(connections_evicted=0, connections_refused=0, send_timeouts=0,
+                             bodies_evicted=0)
 
     def install(self) -> None:
         """Wrap the server's connection_made."""
@@ -302,11 +313,32 @@ class ConnectionGuard:
         self._server.connection_made = connection_made  # type: ignore[method-assign]
 
     def _make_room(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
-        for other in self._server.connections:  # oldest first
-            if other is not handler and _waiting_for_a_request(other):
-                other.force_close()
-                self.counters["connections_evicted"] += 1
-                return
+        connections = self._server.connections
+        self._closing.intersection_update(connections)  # (those closed are gone from it)
+        others = [other for other in connections  # oldest first
+                  if other is not handler and other not in self._closing]
+        fresh = next((other for other in others if _before_a_request(other)), None)
+        waiting = next((other for other in others if _waiting_for_a_request(other)), None)
+        if fresh is not None:  # no request yet: a slowloris, or a client about to send
+            self._evict(fresh)
+        elif self._cut_bodies and (body := _arriving(others)) is not None:
+            # (its connection closes once the 408 is sent)
+            body.set_exception(RequestTimeout("the request body was cut: it was still "
+                                              "arriving when a new connection needed its place"))
+            self.counters["bodies_evicted"] += 1
+        elif waiting is not None:  # an established client, idle between requests: last
+            self._evict(waiting)
+        else:
+            self._refuse(transport)
+
+    def _evict(self, other: RequestHandler) -> None:
+        # On the next turn of the loop: a connection accepted in the same turn has not
+        # started its task yet (closed now, that task would fail an assertion).
+        self._closing.add(other)
+        asyncio.get_running_loop().call_soon(other.force_close)
+        self.counters["connections_evicted"] += 1
+
+    def _refuse(self, transport: asyncio.Transport) -> None:
         self.counters["connections_refused"] += 1
         transport.write(REFUSAL)
         # Closed on the next turn of the loop, after the handler's task has started: closed
@@ -343,3 +375,21 @@ def _waiting_for_a_request(handler: RequestHandler) -> bool:
     """Between requests: no request being handled, headers of the next not complete."""
     waiter = handler._waiter
     return waiter is not None and not waiter.done()
+
+
+def _before_a_request(handler: RequestHandler) -> bool:
+    """No request's headers complete yet (a new connection, or a slowloris)."""
+    return handler._request_count == 0
+
+
+def _arriving(handlers: list[RequestHandler]) -> StreamReader | None:
+    """The oldest body still arriving (and not cut yet) of `handlers`: of a request being
+    handled, or parsed and queued for its handler."""
+    for handler in handlers:
+        current = handler._current_request
+        bodies = [current.content] if current is not None else []
+        bodies += [payload for _, payload in handler._messages]
+        for body in bodies:
+            if not body.is_eof() and body.exception() is None:
+                return body
+    return None

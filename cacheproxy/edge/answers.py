@@ -7,7 +7,6 @@ stored one, or a flight to relay.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from functools import partial
@@ -21,8 +20,8 @@ from cacheproxy.edge.aiohttp_adapter import Body, Rendered, forget_frames, heade
 from cacheproxy.edge.apis import APIS, Stream
 from cacheproxy.edge.render import ResponseIds
 from cacheproxy.edge.route import JSON, Handler
-from cacheproxy.edge.state import CACHE_LOG, IDENTITY, HitPath
-from cacheproxy.errors import ClientGone, ProxyError, RequestTimeout, UnreadableBody
+from cacheproxy.edge.state import BODIES, CACHE_LOG, IDENTITY, HitPath
+from cacheproxy.errors import ClientGone, ProxyError, UnreadableBody
 from cacheproxy.keys.canonical import Parsed, Route
 from cacheproxy.keys.codec import Output
 from cacheproxy.observe.logs import SharedFields
@@ -36,7 +35,7 @@ SSE = "text/event-stream"
 
 
 async def _complete(request: web.Request, endpoint: Route, hot: HitPath) -> web.StreamResponse:
-    raw = await read_body(request, hot.options.body_timeout)
+    raw = await read_body(request)
     scope = request.get(IDENTITY, "") if hot.options.cache_scope == "per-key" else ""
     router = hot.router
     proxy = router.default if router.single else router.route(raw, scope)  # (single: no call)
@@ -56,9 +55,9 @@ async def _complete(request: web.Request, endpoint: Route, hot: HitPath) -> web.
             assert_never(answer)
 
 
-async def read_body(request: web.Request, within: float) -> bytes:
+async def read_body(request: web.Request) -> bytes:
     """The request body: taken as is when all of it has arrived (a small POST usually has),
-    else read as aiohttp reads it, within --body-timeout (408 past it). Over client_max_size
+    else read within the body limits (edge/bodies.py: 408 past them). Over client_max_size
     is a 413 either way; a body whose Content-Encoding does not decode is a 400; a client
     gone mid-body, a 499."""
     content = request.content
@@ -66,12 +65,7 @@ async def read_body(request: web.Request, within: float) -> bytes:
         if content.is_eof():
             raw = content.read_nowait()
         else:
-            async with asyncio.timeout(within):
-                raw = await request.read()
-    except TimeoutError:
-        content.feed_eof()
-        raise RequestTimeout(f"the request body did not arrive within {within:g} s"
-                             ) from None
+            raw = await request.app[BODIES].read(request)
     except web.RequestPayloadError as exc:
         content.feed_eof()  # (read: aiohttp would read on after the answer, and fail again)
         raise UnreadableBody(f"the request body cannot be read ({exc}): its Content-Encoding "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -20,11 +20,13 @@ from cacheproxy.edge.aiohttp_adapter import expect_within
 from cacheproxy.edge.apis import APIS, ID_HEADS, Api
 from cacheproxy.edge.apis.messages import routes as messages
 from cacheproxy.edge.auth import check_admin, client_identity
+from cacheproxy.edge.bodies import BodyLimits, BodyReads
 from cacheproxy.edge.origin import guarded, site_guard
 from cacheproxy.edge.render import ResponseIds
 from cacheproxy.edge.route import Handler, Limits, edge, json_response, no_route
 from cacheproxy.edge.routing import Router
 from cacheproxy.edge.state import (
+    BODIES,
     IDENTITY,
     IDS,
     INVALIDATOR,
@@ -34,11 +36,12 @@ from cacheproxy.edge.state import (
     PROXY,
     ROUTER,
     STARTED,
+    STATUS_READER,
     EdgeOptions,
     HitPath,
     Served,
 )
-from cacheproxy.errors import ExpectationFailed, PayloadTooLarge, ProxyError
+from cacheproxy.errors import ExpectationFailed, PayloadTooLarge, ProxyError, Unauthorized
 from cacheproxy.observe.metrics import Metrics
 from cacheproxy.service.invalidation import Invalidator
 from cacheproxy.service.proxy import CachingProxy
@@ -58,6 +61,9 @@ def create_app(options: EdgeOptions, parts: Parts) -> web.Application:
     app[IDS] = ResponseIds(ID_HEADS)
     app[METRICS] = metrics = Metrics()
     hot = HitPath(options, app[IDS])
+    app[BODIES] = BodyReads(BodyLimits(timeout=options.body_timeout,
+                                       min_rate=options.body_min_rate,
+                                       max_reading=options.max_body_reads))
     app.cleanup_ctx.append(_fold_tally)
     app.cleanup_ctx.append(_lifecycle(parts, hot))
     _add_routes(app, options, metrics, hot)
@@ -116,9 +122,48 @@ def _status_guard(options: EdgeOptions, keys: tuple[bytes, ...]) -> dict[str, An
     return {}
 
 
+def _guarded_expect(expect: Callable[[web.Request], Awaitable[web.StreamResponse | None]],
+                    guard: Callable[[web.Request], object] | None
+                    ) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:
+    """A route's Expect handler that runs its guard first: a caller without a key (or from
+    a refused site) gets its 401 (403) instead of `100 Continue`, and is closed unread."""
+    if guard is None:
+        return expect
+
+    async def checked(request: web.Request) -> web.StreamResponse | None:
+        try:
+            guard(request)
+        except ProxyError as exc:
+            response = json_response(exc.body(), status=exc.status, headers=exc.headers())
+            response.force_close()  # the body it announced is never read (nor lingered on)
+            request.content.feed_eof()
+            return response
+        return await expect(request)
+
+    return checked
+
+
+def _reader(guard: dict[str, Any]) -> Callable[[web.Request], bool]:
+    """Whether a request passes the status guard (any request, when there is none)."""
+    check = guard.get("guard")
+
+    def may_read(request: web.Request) -> bool:
+        if check is None:
+            return True
+        try:
+            check(request)
+        except Unauthorized:
+            return False
+        return True
+
+    return may_read
+
+
 def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics,
                 hot: HitPath) -> None:
     keys = tuple(k.encode() for k in options.api_keys)
+    status_guard = _status_guard(options, keys)
+    app[STATUS_READER] = _reader(status_guard)
 
     limits = Limits(options.max_in_flight)
 
@@ -142,8 +187,8 @@ def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics,
          api_options(APIS["messages"])),
         ("GET", "/v1/models", info.models, api),
         ("GET", "/health", info.health, {}),
-        ("GET", "/metrics", status.metrics, _status_guard(options, keys)),
-        ("GET", "/status.json", status.public_stats, _status_guard(options, keys)),
+        ("GET", "/metrics", status.metrics, status_guard),
+        ("GET", "/status.json", status.public_stats, status_guard),
         ("GET", "/", status.status_page, {}),  # a shell: its numbers come from /status.json
     ]
     if options.admin_token:  # no token configured: the admin API does not exist (404)
@@ -165,8 +210,8 @@ def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics,
     routes += [("HEAD", path, handler, route_options)
                for method, path, handler, route_options in routes if method == "GET"]
     for method, path, handler, route_options in routes:
-        app.router.add_route(method, path,
-                             edge(handler, endpoint=path, **guarded(route_options, site)),
-                             expect_handler=expect)
+        with_site = guarded(route_options, site)
+        app.router.add_route(method, path, edge(handler, endpoint=path, **with_site),
+                             expect_handler=_guarded_expect(expect, with_site.get("guard")))
         allowed.setdefault(path, set()).add(method)
     app.router.add_route("*", "/{tail:.*}", edge(no_route(allowed), **guarded({}, site)))

@@ -7,7 +7,15 @@ import time
 from aiohttp import web
 
 from cacheproxy.edge.route import json_response
-from cacheproxy.edge.state import CONNECTIONS, INVALIDATOR, MODELS, PROXY, STARTED, Served
+from cacheproxy.edge.state import (
+    CONNECTIONS,
+    INVALIDATOR,
+    MODELS,
+    PROXY,
+    STARTED,
+    STATUS_READER,
+    Served,
+)
 
 
 def served(app: web.Application) -> list[Served]:
@@ -37,12 +45,17 @@ def model_states(app: web.Application) -> list[dict[str, object]]:
 
 
 async def health(request: web.Request) -> web.Response:
-    """GET /health: the runner's lane and the fingerprint answers are keyed under."""
+    """GET /health: up, and the fingerprint answers are keyed under; for a reader of the
+    traffic figures (`--status-access`) also the lanes, counters and connections. Nothing
+    else: a figure that moves with other clients' requests (saved prefix chunks, fills,
+    generations) would let one tenant watch another's."""
     proxy = request.app[PROXY]
+    head = {"status": "ok", "model": proxy.runner.defaults().model_id,
+            "fingerprint": proxy.runner.fingerprint().digest}
+    if not request.app[STATUS_READER](request):
+        return json_response({**head, "time": time.time()})
     return json_response({
-        "status": "ok",
-        "model": proxy.runner.defaults().model_id,
-        "fingerprint": proxy.runner.fingerprint().digest,
+        **head,
         "lane": proxy.runner.lane_state(),
         "fills_in_progress": len(proxy.flights),
         "counters": {**proxy.counters, **request.app[INVALIDATOR].counters},

@@ -109,6 +109,8 @@ def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
             response = _error_response(exc, shape)
             if exc.closes:
                 response.force_close()
+                if not request.content.is_eof():  # unread: closed at once, not lingered on
+                    request.content.feed_eof()
             if exc.cache_log is not None:
                 request[CACHE_LOG] = exc.cache_log
         except BackendError as exc:  # a store call outside the cache path (admin API)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from cacheproxy.edge.bodies import BodyReads
 from cacheproxy.edge.render import ResponseIds
 from cacheproxy.edge.routing import Router
 from cacheproxy.observe.metrics import Metrics
@@ -23,7 +25,9 @@ class EdgeOptions:
     admin_token: str = ""  # empty: no admin API (404)
     status_access: str = "public"  # who reads /metrics, /status.json: admin | api-key | public
     max_in_flight: int = 1024
-    body_timeout: float = 30.0  # seconds for a request body to arrive (408 past it)
+    body_timeout: float = 10.0  # seconds for a request body to arrive (408 past it)
+    body_min_rate: float = 1024.0  # bytes a second a body arriving must keep up (408 below)
+    max_body_reads: int = 64  # bodies arriving at once (the oldest is cut past it)
     store_label: str = ""  # the store URL without credentials, for operators
     # The browser guard (edge/origin.py) of a proxy bound to loopback without keys ("": off).
     bound_host: str = ""
@@ -55,9 +59,13 @@ INVALIDATOR = web.AppKey("invalidator", Invalidator)
 STARTED = web.AppKey("started", float)
 METRICS = web.AppKey("metrics", Metrics)
 IDS = web.AppKey("ids", ResponseIds)
+BODIES = web.AppKey("bodies", BodyReads)  # the request bodies arriving now (edge/bodies.py)
 CACHE_LOG = web.RequestKey("cache_log", dict)
 IDENTITY = web.RequestKey("identity", str)
 # Every served model by id and alias (several with --model ID=PATH ...; PROXY is the first).
 MODELS = web.AppKey("models", dict[str, Served])
 ROUTER = web.AppKey("router", Router[CachingProxy])  # MODELS as the POST routes use them
 CONNECTIONS = web.AppKey("connections", dict[str, int])  # the connection guard's counters (serve)
+# Whether a request may read the traffic figures (`--status-access`): /health shows its
+# lane, counters and connections only to such a reader (it is open: load balancers poll it).
+STATUS_READER: web.AppKey[Callable[[web.Request], bool]] = web.AppKey("status_reader")

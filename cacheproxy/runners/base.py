@@ -49,7 +49,10 @@ Event = Chunk | Finished | Failed | Prefill
 class Generation:
     """A generation in progress: iterate its chunks; `output` is set once it finished."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, reuse_scope: str = "") -> None:
+        # Whose saved states (prefix states, compiled grammars) it may reuse, and saves its
+        # own as: a tenant under per-key scope, "" when they are shared (runners/prefix.py).
+        self.reuse_scope = reuse_scope
         # A deque and one waiter, not an asyncio.Queue: a put per token is on the miss path.
         self._events: deque[Chunk | Finished | Failed] = deque()
         self._waiter: asyncio.Future[None] | None = None
@@ -151,8 +154,9 @@ class Runner(Protocol):
         """Load the model; called once by the app."""
         ...
 
-    def generate(self, request: CanonicalRequest) -> Generation:
-        """Queue a generation; raises Overloaded when the lane's queue is full."""
+    def generate(self, request: CanonicalRequest, *, reuse_scope: str = "") -> Generation:
+        """Queue a generation (reusing only the saved states of `reuse_scope`, where the
+        runner keeps any); raises Overloaded when the lane's queue is full."""
         ...
 
     def lane_state(self) -> Mapping[str, object]:

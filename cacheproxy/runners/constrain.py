@@ -44,7 +44,7 @@ def call_grammar(tools_schema: dict[str, Any], *, named: str | None) -> str:
 
 
 def constraint_for(grammars: Grammars, tokenizer: Any, request: CanonicalRequest,
-                   opening: str, initial_state: str) -> Constraint | None:
+                   opening: str, initial_state: str, scope: str = "") -> Constraint | None:
     """The processor a request needs, or None when nothing constrains it. With tools offered
     to a model whose calls are JSON (mlx-lm's json_tools format), every call is held to the
     call grammar: the name of an offered tool, arguments held to its schema (any JSON
@@ -62,15 +62,16 @@ def constraint_for(grammars: Grammars, tokenizer: Any, request: CanonicalRequest
             tool = next(t for t in request.tools if t.name == request.tool_name)
             arguments = json.loads(tool.parameters) if enforceable(tool) else {"type": "object"}
             first = call_grammar(arguments, named=tool.name)
-    return Constraint(grammars, tokenizer, answer=answer, call=call, state=state, first=first)
+    return Constraint(grammars, tokenizer, answer=answer, call=call, state=state, first=first,
+                      scope=scope)
 
 
 class Constraint:
     """The logits processor of one generation (see the module docstring)."""
 
     def __init__(self, grammars: Grammars, tokenizer: Any, *, answer: str | None,
-                 call: str | None, state: str, first: str | None) -> None:
-        self._grammars = grammars
+                 call: str | None, state: str, first: str | None, scope: str = "") -> None:
+        self._grammars, self._scope = grammars, scope  # (compiled grammars of that scope)
         self._answer, self._call = answer, call
         self._think_end = tuple(tokenizer.think_end_tokens or ())
         self._call_start = tuple(tokenizer.tool_call_start_tokens or ())
@@ -81,7 +82,7 @@ class Constraint:
         self._grammar = ""  # the text of the grammar `_matcher` follows
         for grammar in (answer, call):  # any grammar this may use is checked before it starts
             if grammar is not None:
-                grammars.matcher(grammar, _param(grammar, answer))
+                grammars.matcher(grammar, _param(grammar, answer), scope)
         if state == "call" and first is not None:
             self._follow(first)
         elif state == "answer" and answer is not None:
@@ -107,11 +108,12 @@ class Constraint:
 
     def _follow(self, grammar: str) -> None:
         self._grammar = grammar
-        self._matcher = self._grammars.matcher(grammar, _param(grammar, self._answer))
+        self._matcher = self._grammars.matcher(grammar, _param(grammar, self._answer),
+                                               self._scope)
 
     def _failed(self) -> Exception:
         """A grammar failed in use: a 400 without parser state, and it is not kept."""
-        self._grammars.forget(self._grammar)
+        self._grammars.forget(self._grammar, self._scope)
         error = too_complex(self._matcher, _param(self._grammar, self._answer))
         self._matcher = None  # (the error's traceback holds this processor)
         return error

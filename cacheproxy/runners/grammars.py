@@ -41,7 +41,9 @@ class GrammarBudget:
 
 
 class Grammars:
-    """The llguidance tokenizer of one loaded model and its compiled grammars (by text)."""
+    """The llguidance tokenizer of one loaded model and its compiled grammars (by scope and
+    text: under per-key scope one tenant's requests never find a grammar another's compiled,
+    so no request is faster for a schema someone else sent)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, *,
                  budget: GrammarBudget | None = None) -> None:
@@ -49,29 +51,31 @@ class Grammars:
         self.vocab_size = vocab_size
         self.budget = budget or GrammarBudget()
         self._lltokenizer: Any = None
-        self._compiled: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
         self._lock = threading.Lock()  # one build at a time: the RSS growth is its own
         self.held_bytes = 0
 
     def __len__(self) -> int:
         return len(self._compiled)
 
-    def matcher(self, grammar: str, param: str = "response_format") -> Any:
-        """A fresh matcher of `grammar` (a copy of the one compiled for it: microseconds);
-        SchemaTooComplex (naming `param`) when it cannot be built or first used."""
+    def matcher(self, grammar: str, param: str = "response_format", scope: str = "") -> Any:
+        """A fresh matcher of `grammar` (a copy of the one compiled for it in `scope`:
+        microseconds); SchemaTooComplex (naming `param`) when it cannot be built or first
+        used."""
+        key = (scope, grammar)
         with self._lock:
-            found = self._compiled.get(grammar)
+            found = self._compiled.get(key)
             if found is None:
                 template, cost = self._build(grammar, param)
-                self._keep(grammar, template, cost)
+                self._keep(key, template, cost)
                 return template.deep_copy()
-            self._compiled.move_to_end(grammar)
+            self._compiled.move_to_end(key)
             return found[0].deep_copy()
 
-    def forget(self, grammar: str) -> None:
+    def forget(self, grammar: str, scope: str = "") -> None:
         """Drop a grammar that failed in use (so the next request builds and checks it)."""
         with self._lock:
-            found = self._compiled.pop(grammar, None)
+            found = self._compiled.pop((scope, grammar), None)
             if found is not None:
                 self.held_bytes -= found[1]
 
@@ -103,13 +107,13 @@ class Grammars:
             raise error
         return template, max(_resident_bytes() - before, len(grammar))
 
-    def _keep(self, grammar: str, template: Any, cost: int) -> None:
+    def _keep(self, key: tuple[str, str], template: Any, cost: int) -> None:
         if cost > self.budget.max_bytes:
             return  # used by this request only
         while self._compiled and (len(self._compiled) >= self.budget.max_grammars
                                   or self.held_bytes + cost > self.budget.max_bytes):
             self.held_bytes -= self._compiled.popitem(last=False)[1][1]
-        self._compiled[grammar] = (template, cost)
+        self._compiled[key] = (template, cost)
         self.held_bytes += cost
 
     def _llguidance_tokenizer(self) -> Any:

@@ -155,12 +155,13 @@ class MlxRunner:
             state.update(prefixes.state())
         return state
 
-    def generate(self, request: CanonicalRequest) -> Generation:
-        """Queue a generation on the lane; 503 when the queue is full."""
+    def generate(self, request: CanonicalRequest, *, reuse_scope: str = "") -> Generation:
+        """Queue a generation on the lane (reusing only the prefix states and compiled
+        grammars of `reuse_scope`); 503 when the queue is full."""
         queued = self._queued if self._slots is None else self._slots.outstanding
         if queued >= self._options.queue_size:
             raise Overloaded("the generation queue is full, retry later", retry_after=1.0)
-        generation = Generation()
+        generation = Generation(reuse_scope=reuse_scope)
         if self._slots is not None:
             self._slots.submit(request, generation)
             return generation
@@ -223,14 +224,17 @@ class MlxRunner:
         return Slot(SlotPlan(
             model=loaded.model, tokenizer=loaded.tokenizer, request=request,
             generation=generation, ids=list(prompt.ids), assembler=assembler,
-            processors=self._processors(loaded, request, prompt, decoding.processors(request)),
+            processors=self._processors(loaded, request, prompt, decoding.processors(request),
+                                        generation.reuse_scope),
             max_tokens=max_tokens, step=self._options.prefill_step, prefixes=loaded.prefixes))
 
     def _processors(self, loaded: Loaded, request: CanonicalRequest, prompt: ChatPrompt,
-                    processors: list[Any]) -> list[Any]:
-        """A request's logits processors, its grammar's constraint last (if any)."""
+                    processors: list[Any], scope: str) -> list[Any]:
+        """A request's logits processors, its grammar's constraint last (if any; compiled
+        grammars reused within `scope`)."""
         constraint = constraint_for(loaded.grammars, loaded.tokenizer, request, prompt.opening,
-                                    prompt.initial_state) if request.endpoint == "chat" else None
+                                    prompt.initial_state, scope) \
+            if request.endpoint == "chat" else None
         if constraint is not None:
             processors = [*processors, constraint]  # last: nothing reopens a masked token
         return processors
@@ -242,13 +246,15 @@ class MlxRunner:
         from mlx_lm.models.cache import make_prompt_cache
 
         sampler, processors = decoding.sampling(request)
-        processors = self._processors(loaded, request, prompt, processors)
+        processors = self._processors(loaded, request, prompt, processors,
+                                      generation.reuse_scope)
         ids, cache, reused, held = prompt.ids, make_prompt_cache(loaded.model), 0, 0
         if loaded.prefixes is not None:
             # The cache brought to where a cold prefill of this prompt passes a multiple of
             # the step (from a saved state when one holds a prefix); generate_step goes on
             # from there in the chunks it would have used.
-            reused, held = prefix.warm(loaded.prefixes, loaded.model, cache, ids)
+            reused, held = prefix.warm(loaded.prefixes, loaded.model, cache, ids,
+                                       generation.reuse_scope)
             processors = prefix.with_history(processors, ids[:held])
         generation.push(Prefill(reused, len(ids)))
         return generate_step(

@@ -15,6 +15,10 @@ the chain hash of it and every chunk before it, so N conversations that open wit
 system prompt hold its chunks once, and a state is any path of chunks from the first. The
 store is bounded by bytes; the least recently used chunk that no other extends goes first.
 Chunks belong to one loaded model: a reload starts an empty store.
+
+Every chunk belongs to a scope (a tenant under `--cache-scope per-key`, "" when shared): its
+chain starts from the scope, and a chunk is reused only by a prompt of its own scope, so
+one tenant's reuse (which a response reports) never tells it what another tenant sent.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class Chunk:
     """One chunk of a saved state: each layer's keys and values for its `step` tokens."""
 
     parent: bytes  # the chain hash of the chunks before it (b"" for the first)
+    scope: str  # whose prompts may reuse it (checked: a tenant never reuses another's)
     ids: bytes  # its tokens, as int64 (checked, so no hash collision is ever reused)
     layers: tuple[tuple[Any, Any], ...]
     nbytes: int  # its keys, values and ids
@@ -75,10 +80,11 @@ class PrefixStore:
         return {"prefix_entries": len(self._chunks), "prefix_bytes": self.bytes,
                 "prefix_max_bytes": self.max_bytes, "prefix_step": self.step}
 
-    def chain(self, ids: Sequence[int], length: int) -> list[bytes]:
-        """The chain hash after each whole chunk of ``ids[:length]`` (a multiple)."""
+    def chain(self, ids: Sequence[int], length: int, scope: str = "") -> list[bytes]:
+        """The chain hash after each whole chunk of ``ids[:length]`` (a multiple), in
+        ``scope`` (its chunks hash apart from every other scope's)."""
         hashes: list[bytes] = []
-        previous = b""
+        previous = xxhash.xxh3_128_digest(b"scope\0" + scope.encode()) if scope else b""
         for start in range(0, length, self.step):
             previous = xxhash.xxh3_128_digest(previous + self._tokens(ids, start))
             hashes.append(previous)
@@ -87,28 +93,30 @@ class PrefixStore:
     def _tokens(self, ids: Sequence[int], start: int) -> bytes:
         return array("q", ids[start:start + self.step]).tobytes()
 
-    def longest(self, ids: Sequence[int], chain: list[bytes]) -> list[Chunk]:
-        """The saved chunks of the longest saved prefix of ``chain`` (marked as used)."""
+    def longest(self, ids: Sequence[int], chain: list[bytes], scope: str = "") -> list[Chunk]:
+        """The saved chunks of ``scope`` of the longest saved prefix of ``chain`` (marked as
+        used)."""
         found: list[Chunk] = []
         parent = b""
         for i, h in enumerate(chain):
             chunk = self._chunks.get(h)
-            if chunk is None or chunk.parent != parent or \
+            if chunk is None or chunk.parent != parent or chunk.scope != scope or \
                     chunk.ids != self._tokens(ids, i * self.step):
-                break  # (a hash collision: never reuse what is not the same tokens)
+                break  # (a hash collision: never reuse what is not the same tokens, or
+                # another scope's)
             found.append(chunk)
             parent = h
         self._touch(chain[:len(found)])
         return found
 
     def put(self, ids: Sequence[int], chain: list[bytes],
-            layers: Sequence[tuple[Any, Any]]) -> None:
-        """Save the chunks of ``chain`` not saved yet, cut from ``layers`` (each layer's
-        keys and values buffers, holding at least ``len(chain)`` chunks), as far as the
-        bound allows; the chunks already saved are marked as used."""
+            layers: Sequence[tuple[Any, Any]], scope: str = "") -> None:
+        """Save the chunks of ``chain`` (of ``scope``) not saved yet, cut from ``layers``
+        (each layer's keys and values buffers, holding at least ``len(chain)`` chunks), as
+        far as the bound allows; the chunks already saved are marked as used."""
         import mlx.core as mx
 
-        kept = len(self.longest(ids, chain))
+        kept = len(self.longest(ids, chain, scope))
         path = sum(c.nbytes for c in (self._chunks[h] for h in chain[:kept]))
         for i in range(kept, len(chain)):
             if chain[i] in self._chunks:
@@ -124,7 +132,7 @@ class PrefixStore:
                 self._evict()
             mx.eval(cut)  # its own buffers: not views that keep the whole cache alive
             parent = chain[i - 1] if i else b""
-            self._chunks[chain[i]] = Chunk(parent, tokens, cut, nbytes)
+            self._chunks[chain[i]] = Chunk(parent, scope, tokens, cut, nbytes)
             if parent:
                 self._chunks[parent].children += 1
             self.bytes += nbytes
@@ -142,29 +150,30 @@ class PrefixStore:
             self._chunks[chunk.parent].children -= 1
 
 
-def warm(store: PrefixStore, model: Any, cache: list[Any], ids: Sequence[int]) -> tuple[int, int]:
+def warm(store: PrefixStore, model: Any, cache: list[Any], ids: Sequence[int],
+         scope: str = "") -> tuple[int, int]:
     """Bring ``cache`` (fresh) to the largest multiple of the step a cold prefill of ``ids``
-    passes through, from the longest saved prefix; save the chunks reached. Returns (tokens
-    taken from saved chunks, tokens the cache now holds)."""
-    return drain(warming(store, model, cache, ids))
+    passes through, from the longest prefix ``scope`` saved; save the chunks reached (as
+    ``scope``'s). Returns (tokens taken from saved chunks, tokens the cache now holds)."""
+    return drain(warming(store, model, cache, ids, scope))
 
 
 def warming(store: PrefixStore, model: Any, cache: list[Any],
-            ids: Sequence[int]) -> Generator[int, None, tuple[int, int]]:
+            ids: Sequence[int], scope: str = "") -> Generator[int, None, tuple[int, int]]:
     """`warm`, one chunk of the model at a time: it yields each chunk's size before it runs
     it (so the one that runs the last chunk ends); its value is warm's."""
     step = store.step
     aligned = (len(ids) - 1) // step * step  # generate_step keeps the last token back
     if aligned <= 0:
         return 0, 0
-    chain = store.chain(ids, aligned)
-    found = store.longest(ids, chain)
+    chain = store.chain(ids, aligned, scope)
+    found = store.longest(ids, chain, scope)
     reused = len(found) * step
     if found:
         _restore(cache, found, step)
     yield from prefilling(model, cache, ids[reused:aligned], step)
     if aligned > reused:
-        store.put(ids, chain, [(c.keys, c.values) for c in cache])
+        store.put(ids, chain, [(c.keys, c.values) for c in cache], scope)
     return reused, aligned
 
 

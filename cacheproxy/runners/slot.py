@@ -81,7 +81,8 @@ class Slot:
         plan, ids = self.plan, self.plan.ids
         reused = held = 0
         if plan.prefixes is not None:
-            reused, held = yield from prefix.warming(plan.prefixes, plan.model, self.cache, ids)
+            reused, held = yield from prefix.warming(plan.prefixes, plan.model, self.cache, ids,
+                                                     self.generation.reuse_scope)
         self.generation.push(Prefill(reused, len(ids)))
         rest = ids[held:]
         while len(rest) > 1:  # as generate_step: whole steps, the last token kept back

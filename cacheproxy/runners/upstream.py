@@ -175,8 +175,9 @@ class UpstreamRunner:
                 log.warning("upstream_serves_other_model", upstream=member.url, serves=listed,
                             model_dir=mine)
 
-    def generate(self, request: CanonicalRequest) -> Generation:
-        """Queue a generation on the least busy lane; 503 when that lane's queue is full."""
+    def generate(self, request: CanonicalRequest, *, reuse_scope: str = "") -> Generation:
+        """Queue a generation on the least busy lane; 503 when that lane's queue is full.
+        (`reuse_scope` has no use here: nothing is reused in the proxy upstream.)"""
         if request.logprobs:
             raise Unsupported("logprobs are not available through an upstream mlx_lm.server "
                               "(its stream carries none)", param="logprobs")

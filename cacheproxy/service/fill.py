@@ -31,6 +31,7 @@ class FillOrder:
     store: bool  # store the answer when it may be stored
     recheck: bool  # look in the store first (a shared fill: another may just have stored it)
     previous: codec.Record | None = None  # the stored answer a regeneration replaces
+    reuse_scope: str = ""  # whose saved states (prefixes, grammars) the generation may reuse
 
 
 class Filler:
@@ -74,7 +75,7 @@ class Filler:
     async def _generate(self, flight: Flight, order: FillOrder) -> None:
         """Run the generation on the lane, publish it live, store it if it may be stored."""
         started = time.monotonic()
-        generation = self._runner.generate(order.request)
+        generation = self._runner.generate(order.request, reuse_scope=order.reuse_scope)
         generation.on_prefill = flight.prefilled
         flight.live.when(generation.live.start)
         try:

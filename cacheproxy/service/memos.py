@@ -4,9 +4,9 @@ Each memo is bounded (entries and reported bytes, least recently used out first)
 remembered value is used only while what it was derived from is unchanged, so a memo can
 only skip work, never change an answer:
 
-- `ParseMemo` — parsed requests (`Parsed`) by (endpoint, cache scope, body bytes) for
-  bodies up to MAX_MEMO_BODY (the scope: under `per-key` no tenant's parse is faster for a
-  body another tenant sent, so timing tells nobody what others ask). Valid while the
+- `ParseMemo` (service/parsing.py) — parsed requests (`Parsed`) by (endpoint, cache scope,
+  body bytes) for bodies up to MAX_MEMO_BODY (the scope: under `per-key` no tenant's parse
+  is faster for a body another tenant sent, so timing tells nobody what others ask). Valid while the
   runner's defaults are the very object they were parsed under (a reload makes new ones)
   and the sampling mode is the same.
 - `DecodedRecords` — decoded records and their packed canonical request by key. Valid while
@@ -25,19 +25,21 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import msgpack
 
 from cacheproxy.keys import codec
 from cacheproxy.keys.canonical import Parsed, Route, RunnerDefaults
-from cacheproxy.keys.fields import decode_body
 from cacheproxy.keys.fingerprint import Fingerprint
 from cacheproxy.keys.key import CacheKey
 from cacheproxy.observe.logs import SharedFields
 from policies.sampling import SamplingMode
+
+if TYPE_CHECKING:
+    from cacheproxy.service.parsing import ParseMemo
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -92,39 +94,6 @@ class Parse(Protocol):
     def __call__(self, body: object, defaults: RunnerDefaults, mode: SamplingMode, *,
                  max_tokens_cap: int | None = None,
                  max_answer_tokens: int | None = None) -> Parsed: ...
-
-
-class ParseMemo:
-    """Repeated identical bodies (of one cache scope) skip JSON decoding and
-    canonicalization."""
-
-    def __init__(self, parsers: Mapping[Route, Parse], max_entries: int = 4096, *,
-                 max_tokens_cap: int | None = None,
-                 max_answer_tokens: int | None = None) -> None:
-        self._parsers = parsers
-        self._memo: LRU[tuple[Route, str, bytes],
-                        tuple[RunnerDefaults, SamplingMode, Parsed]] = LRU(max_entries)
-        self._cap = max_tokens_cap
-        self._budget = max_answer_tokens
-        self.decodes = 0  # bodies JSON-decoded (a repeat of a remembered one decodes none)
-
-    def parse(
-        self, raw: bytes, route: Route, defaults: RunnerDefaults, mode: SamplingMode,
-        scope: str = "",
-    ) -> Parsed:
-        """The route's parser of decode_body(raw), remembered for small bodies, per cache
-        scope."""
-        memo_key = (route, scope, raw)
-        known = self._memo.get(memo_key) if len(raw) <= MAX_MEMO_BODY else None
-        if known is not None and known[0] is defaults and known[1] == mode:
-            return known[2]
-        self.decodes += 1
-        body = decode_body(raw)
-        parsed = self._parsers[route](body, defaults, mode, max_tokens_cap=self._cap,
-                                      max_answer_tokens=self._budget)
-        if len(raw) <= MAX_MEMO_BODY:
-            self._memo.put(memo_key, (defaults, mode, parsed), size=2 * len(raw))
-        return parsed
 
 
 class DecodedRecords:
@@ -287,7 +256,7 @@ class Repeats:
 class Memos:
     """The memos of one service."""
 
-    parser: ParseMemo
+    parser: ParseMemo  # (service/parsing.py)
     decoded: DecodedRecords = field(default_factory=DecodedRecords)
     templates: HitTemplates = field(default_factory=HitTemplates)
     repeats: Repeats = field(default_factory=Repeats)

@@ -3,7 +3,8 @@
 0. a repeat of a remembered HIT (the same body bytes, no Cache-Control): served again as
    it was while the memo's rule holds (see `memos`)             -> HIT, nothing re-derived
    (`recall` is this step alone, without I/O or a coroutine: the edge asks it first)
-1. parse: validate the body, build the canonical request and the sampling decision (400s)
+1. parse: validate the body, build the canonical request and the sampling decision (400s);
+   a body with schemas, or a large one, on the parse pool (never on the loop: `parsing`)
 2. wait while a reload holds requests; key = make_key(request, serving fingerprint)
 3. look up the store, unless the request is not cacheable: a store failure is "store down",
    a corrupt or foreign record is "nothing" (and deleted)
@@ -25,6 +26,7 @@ from typing import assert_never
 from backends.base import Backend, BackendError, DistributedLock
 from cacheproxy.errors import NotCached, NotRecorded, StoreDown
 from cacheproxy.keys import codec
+from cacheproxy.keys.budget import SchemaBudget
 from cacheproxy.keys.canonical import Parsed, Route
 from cacheproxy.keys.fingerprint import Fingerprint
 from cacheproxy.keys.key import CacheKey, make_key
@@ -33,7 +35,8 @@ from cacheproxy.service.breaker import StoreUnavailable
 from cacheproxy.service.fill import Filler, FillOrder
 from cacheproxy.service.fleet import Fleet
 from cacheproxy.service.flights import Flight, Flights
-from cacheproxy.service.memos import Memos, Parse, ParseMemo, Repeat, RepeatKey
+from cacheproxy.service.memos import Memos, Parse, Repeat, RepeatKey
+from cacheproxy.service.parsing import ParseMemo, ParsePool
 from cacheproxy.service.storage import StoreAccess
 from policies.cache_control import parse_cache_control
 from policies.plan import Action, Found, Lookup, Plan, Refusal, plan
@@ -85,6 +88,13 @@ class ServiceOptions:
     store_retry: float = 2.0  # seconds the breaker stays open after a store failure
     lock_ttl: float = 10.0  # lease of a cross-replica fill; renewed every third of it
     replay: bool = False  # never generate: what is not stored is not_recorded
+    # Under per-key scope, every tenant's saved prefix states and compiled grammars are
+    # every tenant's to reuse (their reuse then tells one tenant which prompts others sent):
+    # off, each its own.
+    shared_prefixes: bool = False
+    schema_budget: SchemaBudget = SchemaBudget()  # what one request's schemas may cost
+    parse_timeout: float = 5.0  # seconds one request's schema checks may run
+    parse_off_loop: bool = True  # False: expensive parses on the loop (a diagnostic)
 
 
 def _not_recorded(route: Route, parsed: Parsed, key: CacheKey) -> NotRecorded:
@@ -119,8 +129,10 @@ class CachingProxy:
         self.store = store
         self.options = options
         self._gate, self._gate_open, self._clock = gate, gate_open, clock
+        pool = ParsePool(timeout=options.parse_timeout) if options.parse_off_loop else None
         self.memos = Memos(parser=ParseMemo(parsers, max_tokens_cap=options.max_tokens_cap,
-                                            max_answer_tokens=options.max_answer_tokens))
+                                            max_answer_tokens=options.max_answer_tokens,
+                                            schema_budget=options.schema_budget, pool=pool))
         self._repeats = self.memos.repeats
         self.storage = StoreAccess(store, store_retry=options.store_retry, ttl=options.ttl,
                                    decoded=self.memos.decoded)
@@ -153,8 +165,9 @@ class CachingProxy:
                 if self._still_held(repeat) or await self._still_stored(repeat):
                     return repeat
                 self._repeats.forget(memo_key)
-        parsed = self.memos.parser.parse(raw, endpoint, self.runner.defaults(),
-                                         self.options.sampling, scope)
+        parser, defaults = self.memos.parser, self.runner.defaults()
+        parsed = parser.known(raw, endpoint, defaults, self.options.sampling, scope) or \
+            await parser.parse_off_loop(raw, endpoint, defaults, self.options.sampling, scope)
         directives = parse_cache_control(control)
         await self._gate()  # held while the model reloads, so the key uses the new fingerprint
         serving = self.runner.fingerprint()
@@ -177,7 +190,7 @@ class CachingProxy:
                               lookup.age, serving)
             case Action.FILL | Action.FOLLOW | Action.REGENERATE | Action.GENERATE:
                 return await self._execute(the_plan, parsed, key, fingerprint,
-                                           None if found is None else found[0])
+                                           None if found is None else found[0], scope)
             case _:
                 assert_never(the_plan.action)
 
@@ -195,13 +208,15 @@ class CachingProxy:
         return Lookup(Found.ENTRY, max(0.0, self._clock() - created)), found
 
     async def _execute(self, the_plan: Plan, parsed: Parsed, key: CacheKey, fingerprint: str,
-                       previous: codec.Record | None) -> Flowing:
-        """Start (or join) the flight the plan asks for; return once it has begun."""
+                       previous: codec.Record | None, scope: str) -> Flowing:
+        """Start (or join) the flight the plan asks for; return once it has begun. (A
+        flight is per key, and a key per scope: no tenant follows another's generation.)"""
         action = the_plan.action
         shared = action in (Action.FILL, Action.FOLLOW)
         fill = self._filler.fill(FillOrder(
             request=parsed.request, fingerprint=fingerprint, store=the_plan.stores,
-            recheck=shared, previous=previous if action is Action.REGENERATE else None))
+            recheck=shared, previous=previous if action is Action.REGENERATE else None,
+            reuse_scope="" if self.options.shared_prefixes else scope))
         flight, _ = self.flights.join(key, fill, shared=shared)
         if parsed.delivery.stream:
             flight.live.start()  # so the runner delivers tokens as they come, not gathered
@@ -253,5 +268,7 @@ class CachingProxy:
         return now == repeat.data
 
     async def aclose(self) -> None:
-        """Cancel fills in progress."""
+        """Cancel fills in progress; drop the parses not started."""
         await self.flights.aclose()
+        if self.memos.parser.pool is not None:
+            self.memos.parser.pool.close()

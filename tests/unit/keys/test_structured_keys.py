@@ -204,6 +204,23 @@ def test_a_strict_tool_with_references_gets_a_call_grammar_that_holds() -> None:
     assert _consumes(grammars.matcher(call), tok, free)  # not strict: any object
 
 
+def test_a_compiled_grammar_is_reused_only_in_the_scope_that_compiled_it() -> None:
+    """Per-key scope (#34): tenant b's request never finds the grammar tenant a's compiled
+    (no request is faster for a schema another tenant sent); within a scope it is reused."""
+    tok = _tokenizer()
+    grammars = Grammars(tok, len(tok.vocab))
+    text = grammar.answer_grammar(grammar.response_format({"response_format": {
+        "type": "json_schema", "json_schema": {"name": "pin", "schema": {
+            "type": "object", "properties": {"pin": {"const": "4817"}}}}}}))
+    grammars.matcher(text, scope="a")
+    grammars.matcher(text, scope="a")
+    assert len(grammars) == 1  # reused within a
+    grammars.matcher(text, scope="b")
+    assert len(grammars) == 2  # compiled again for b (the control: a's was there)
+    grammars.forget(text, scope="a")
+    assert len(grammars) == 1
+
+
 def test_a_call_opened_while_thinking_is_held_to_the_grammar() -> None:
     import mlx.core as mx
 

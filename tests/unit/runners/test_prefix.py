@@ -49,6 +49,21 @@ def test_the_store_finds_the_longest_saved_prefix() -> None:
     assert len(store.longest(a, store.chain(a, 12))) == 3
 
 
+def test_a_scope_reuses_only_its_own_chunks() -> None:
+    """Per-key scope (#34): the same tokens saved by tenant "a" are no prefix of tenant
+    "b"'s prompt nor of the shared scope's; each scope holds its own copy."""
+    store = PrefixStore(step=4, max_bytes=1 << 20)
+    a = list(range(100, 112))
+    store.put(a, store.chain(a, 8, "a"), _layers(8), "a")
+    assert len(store.longest(a, store.chain(a, 8, "a"), "a")) == 2
+    assert store.longest(a, store.chain(a, 8, "b"), "b") == []
+    assert store.longest(a, store.chain(a, 8), "") == []
+    # Even handed tenant a's chain hashes, tenant b finds nothing (the scope is checked).
+    assert store.longest(a, store.chain(a, 8, "a"), "b") == []
+    store.put(a, store.chain(a, 8, "b"), _layers(8), "b")
+    assert len(store) == 4 and len(store.longest(a, store.chain(a, 8, "b"), "b")) == 2
+
+
 def test_a_saved_chunk_is_its_own_copy_of_the_cache() -> None:
     """A chunk holds its own buffer, not a view that would keep the whole cache alive."""
     import mlx.core as mx

@@ -22,7 +22,7 @@ from cacheproxy.runners.base import PromptCounter
 
 async def count_tokens(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages/count_tokens: `{"input_tokens": N}`."""
-    raw = await read_body(request, request.app[OPTIONS].body_timeout)
+    raw = await read_body(request)
     scope = request.get(IDENTITY, "") if request.app[OPTIONS].cache_scope == "per-key" else ""
     proxy = request.app[ROUTER].route(raw, scope)
     runner = proxy.runner

@@ -1,0 +1,172 @@
+"""Schema checks never block the event loop (#34 item 1): a request whose schemas take
+seconds to check is parsed on the parse pool while cached HITs go on being served; a
+request over the schema budget is a 400 that names the limit."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import statistics
+import threading
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from cacheproxy.cli.settings import DEMO_MODEL_ID
+from cacheproxy.edge.state import PROXY
+from cacheproxy.errors import Overloaded
+from cacheproxy.service.parsing import ParsePool
+from tests.conftest import Proxy, ProxyFactory
+
+HIT_BODY = {"model": DEMO_MODEL_ID, "max_tokens": 4,
+            "messages": [{"role": "user", "content": "What does the fox eat?"}]}
+# The issue's probe parsed 10,000 properties (340 KB, ~4-13 s of checks); the fault scenario
+# (loadtests/faults.py schema_flood) floods with it. Here a third of it (~1-4 s) is enough
+# to show a HIT that waits, and keeps the test cheap.
+SCHEMA_PROPERTIES = 3000
+ROOMY = {"max_schema_properties": 20_000, "max_schema_bytes": 1 << 20, "schema_timeout": 120.0}
+
+
+def _wide(properties: int) -> dict[str, Any]:
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "integer"}
+                                               for i in range(properties)}}
+    return {"model": DEMO_MODEL_ID, "max_tokens": 1,
+            "messages": [{"role": "user", "content": f"Fill {properties} fields."}],
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "wide", "schema": schema}}}
+
+
+async def _post(session: aiohttp.ClientSession, proxy: Proxy, body: dict[str, Any],
+                **headers: str) -> tuple[int, dict[str, Any]]:
+    async with session.post(proxy.url + "/v1/chat/completions", json=body,
+                            headers=headers) as resp:
+        return resp.status, await resp.json()
+
+
+def _time_hits(url: str, done: threading.Event) -> list[tuple[float, float]]:
+    """(start, milliseconds) of HITs sent one after another until `done`: from a thread
+    of its own, so a blocked event loop shows in the times rather than in the timing."""
+    host, port = url.removeprefix("http://").split(":")
+    client = http.client.HTTPConnection(host, int(port), timeout=120)
+    body, times = json.dumps(HIT_BODY), []
+    while not done.is_set():
+        started = time.perf_counter()
+        client.request("POST", "/v1/chat/completions", body,
+                       {"Content-Type": "application/json"})
+        response = client.getresponse()
+        response.read()
+        assert response.status == 200 and response.getheader("X-Cache") == "HIT"
+        times.append((started, (time.perf_counter() - started) * 1000))
+        time.sleep(0.02)
+    client.close()
+    return times
+
+
+async def _hits_while_parsing(proxy: Proxy) -> list[float]:
+    """Milliseconds of each HIT in flight while a schema of SCHEMA_PROPERTIES properties is
+    parsed (asked only-if-cached: its parse is all the work it makes)."""
+    async with aiohttp.ClientSession() as session:
+        assert (await _post(session, proxy, HIT_BODY))[0] == 200  # stored
+        done = threading.Event()
+        timer = asyncio.create_task(asyncio.to_thread(_time_hits, proxy.url, done))
+        await asyncio.sleep(0.2)
+        sent = time.perf_counter()
+        status, answer = await _post(session, proxy, _wide(SCHEMA_PROPERTIES),
+                                     **{"Cache-Control": "only-if-cached"})
+        parsed = time.perf_counter()
+        done.set()
+        times = await timer
+    assert (status, answer["error"]["code"]) == (504, "not_cached"), answer  # (parsed)
+    assert parsed - sent > 0.5, parsed - sent  # a parse long enough to stall a HIT
+    # Those in flight during the parse (from its body's arrival, give or take 50 ms, on).
+    return [ms for started, ms in times if started < parsed and started + ms / 1000 > sent + 0.05]
+
+
+async def test_a_hit_never_waits_for_a_schema_parse(make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy(**ROOMY)
+    times = await _hits_while_parsing(proxy)
+    assert len(times) >= 3 and statistics.median(times) < 50, times
+    assert proxy.app[PROXY].memos.parser.pool is not None
+
+
+async def test_control_a_parse_on_the_loop_stalls_the_hits(make_proxy: ProxyFactory) -> None:
+    # Control: the same timing with the parse forced onto the event loop (the behaviour
+    # before the pool): the HIT waits for the whole parse.
+    proxy = await make_proxy(parse_off_loop=False, **ROOMY)
+    times = await _hits_while_parsing(proxy)
+    assert times and max(times) > 400, times
+
+
+async def test_schemas_over_the_budget_are_a_400_naming_the_limit(
+        make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy()
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    deep: dict[str, Any] = {"type": "object"}
+    for _ in range(100):
+        deep = {"type": "object", "properties": {"x": deep}}
+    enum = {"type": "object", "properties": {"e": {"enum": list(range(2000))}}}
+    cases = [
+        (_wide(10_000), "262144 bytes", "response_format"),
+        (_wide(6_000), "5000 properties", "response_format"),
+        ({**HIT_BODY, "tools": [tool] * 200}, "128 tools", "tools"),
+        ({**_wide(1), "response_format": {"type": "json_schema", "json_schema": {
+            "name": "deep", "schema": deep}}}, "64 levels", "response_format"),
+        ({**_wide(1), "response_format": {"type": "json_schema", "json_schema": {
+            "name": "enum", "schema": enum}}}, "1000 enum values", "response_format"),
+    ]
+    async with aiohttp.ClientSession() as session:
+        for body, limit, param in cases:
+            started = time.perf_counter()
+            status, answer = await _post(session, proxy, body)
+            error = answer["error"]
+            assert (status, error["code"]) == (400, "schema_too_complex"), answer
+            assert limit in error["message"] and (param is None or error["param"] == param)
+            assert time.perf_counter() - started < 1.0, limit  # counted, not checked
+
+
+async def test_a_schema_check_over_the_time_budget_is_a_400(make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy(schema_timeout=0.01)
+    async with aiohttp.ClientSession() as session:
+        status, answer = await _post(session, proxy, _wide(1_000))  # within the counts
+    assert (status, answer["error"]["code"]) == (400, "schema_too_complex"), answer
+    assert "took over 0.01 s" in answer["error"]["message"]
+    async with aiohttp.ClientSession() as session:  # control: a small schema in time
+        status, _ = await _post(session, await make_proxy(), _wide(3))
+    assert status == 200
+
+
+async def test_keys_take_turns_on_the_parse_worker() -> None:
+    """(The pool alone: jobs that record their order.) A key flooding schemas delays another
+    key's check by the one running, not by its whole queue; past its own bound it gets a
+    503 while the other key still gets in."""
+    pool = ParsePool(max_outstanding=8, max_per_scope=3, timeout=30.0)
+    release, order = threading.Event(), []
+
+    def job(name: str, wait: bool = False) -> str:
+        if wait:
+            release.wait()
+        order.append(name)
+        return name
+
+    try:
+        flood = [asyncio.create_task(pool.run(lambda n=n: job(n, n == "a1"), "flooder"))
+                 for n in ("a1", "a2", "a3")]
+        await asyncio.sleep(0.1)
+        with pytest.raises(Overloaded):  # its fourth: over its own bound
+            await pool.run(lambda: job("a4"), "flooder")
+        other = asyncio.create_task(pool.run(lambda: job("b1"), "other"))
+        await asyncio.sleep(0.1)
+        release.set()
+        assert await other == "b1" and await asyncio.gather(*flood) == ["a1", "a2", "a3"]
+        assert order == ["a1", "b1", "a2", "a3"], order  # b1 right after the running one
+        # Control: alone, one key's jobs run in the order they came.
+        order.clear()
+        assert await asyncio.gather(*(pool.run(lambda n=n: job(n), "flooder")
+                                      for n in ("c1", "c2", "c3"))) == ["c1", "c2", "c3"]
+        assert order == ["c1", "c2", "c3"]
+    finally:
+        release.set()
+        pool.close()
