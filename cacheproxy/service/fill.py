@@ -115,6 +115,8 @@ class Filler:
             # Bit-identical to cold: continued from a state saved at a multiple of the step.
             provenance["lane"] = f"{_batch(fp.decode_slots)}, aligned prefill"
             provenance["prefill"] = {"reused": prefill.reused, "total": prefill.total}
+        if output.margin is not None:
+            provenance["margin"] = output.margin.wire()
         return codec.Record(request=request.wire(), output=output, provenance=provenance)
 
 

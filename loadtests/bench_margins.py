@@ -1,0 +1,154 @@
+"""Near-tie margins (#33): what measuring them costs a miss, margins on vs off, side by side.
+
+    python loadtests/bench_margins.py              # demo model and a random Llama 1024x8
+    python loadtests/bench_margins.py --smoke      # the demo model only, a few prompts
+
+Two in-process runners of the same model in one process, one measuring margins and one not
+(`MlxOptions.measure_margins`, the benchmark's switch), answer the same prompts in turns
+(on, off, on, off, ...), first with one slot (batch of one), then with `--decode-slots S`
+and S prompts at once. Both must give the same tokens (the script fails otherwise). The table
+gives the time per generated token each way and the overhead; the target is under 3 % of the
+decode time. Only the wall time of whole generations is taken (prefill included: the prompts
+are short), the median over the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cacheproxy.cli.settings import DEMO_MODEL_ID  # noqa: E402
+from cacheproxy.keys.canonical import CanonicalRequest, parse  # noqa: E402
+from cacheproxy.runners.demo.model import BUNDLED_MODEL, random_model  # noqa: E402
+from cacheproxy.runners.mlx import MlxOptions, MlxRunner  # noqa: E402
+from policies.sampling import SamplingMode  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "results"
+PROMPTS = ["What does the fox eat?", "Tell me about the cat.", "Where does the owl live?",
+           "Tell me about the fox.", "What is the weather in Lima?", "Hello!",
+           "What does the duck say?", "Tell me about the wolf."]
+TARGET = 0.03
+
+
+def _requests(runner: MlxRunner, max_tokens: int) -> list[CanonicalRequest]:
+    return [parse({"model": DEMO_MODEL_ID, "max_tokens": max_tokens,
+                   "messages": [{"role": "user", "content": p}]},
+                  "chat", runner.defaults(), SamplingMode.FORCE_GREEDY).request
+            for p in PROMPTS]
+
+
+async def _answer(runner: MlxRunner, request: CanonicalRequest) -> list[int]:
+    generation = runner.generate(request)
+    async for _ in generation.chunks():
+        pass
+    if generation.output is None:
+        raise RuntimeError("no output")
+    return generation.output.token_ids
+
+
+async def _round(runner: MlxRunner, batch: list[CanonicalRequest]) -> tuple[float, list[Any]]:
+    started = time.perf_counter()
+    answers = await asyncio.gather(*(_answer(runner, r) for r in batch))
+    return time.perf_counter() - started, answers
+
+
+async def side_by_side(model: Path, *, slots: int, rounds: int, max_tokens: int
+                       ) -> dict[str, Any]:
+    """Per-token decode time with margins measured and without, alternating per round."""
+    runners = {on: MlxRunner(MlxOptions(model=str(model), model_id=DEMO_MODEL_ID,
+                                        decode_slots=slots, prefix_cache_bytes=0,
+                                        measure_margins=on)) for on in (True, False)}
+    for r in runners.values():
+        await r.start()
+    try:
+        requests = _requests(runners[True], max_tokens)
+        per_token: dict[bool, list[float]] = {True: [], False: []}
+        for n in range(rounds):
+            batch = [requests[(n * slots + i) % len(requests)] for i in range(slots)]
+            answers = {}
+            for on in ((True, False) if n % 2 == 0 else (False, True)):
+                seconds, answers[on] = await _round(runners[on], batch)
+                per_token[on].append(seconds / sum(len(a) for a in answers[on]))
+            if answers[True] != answers[False]:
+                raise RuntimeError("measuring margins changed an answer")
+    finally:
+        for r in runners.values():
+            await r.aclose()
+    with_m, without = statistics.median(per_token[True]), statistics.median(per_token[False])
+    return {"slots": slots, "rounds": rounds, "on_ms_per_token": round(with_m * 1000, 4),
+            "off_ms_per_token": round(without * 1000, 4),
+            "overhead": round(with_m / without - 1, 4)}
+
+
+async def measure(models: dict[str, Path], *, rounds: int, max_tokens: int, slots: int
+                  ) -> list[dict[str, Any]]:
+    """Every model, one slot and `slots` slots."""
+    rows = []
+    for name, path in models.items():
+        for s in (1, slots):
+            row = await side_by_side(path, slots=s, rounds=rounds, max_tokens=max_tokens)
+            rows.append({"model": name, **row})
+    return rows
+
+
+def _plot(rows: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['model']}\nS={r['slots']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(labels, [100 * r["overhead"] for r in rows], color="tab:blue")
+    ax.axhline(100 * TARGET, color="tab:red", linestyle="--", label="target 3 %")
+    ax.set_ylabel("margins: added time per token (%)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "bench_margins.png", dpi=100)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--smoke", action="store_true", help="the demo model, 4 rounds")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.max_tokens, args.slots = 4, 8, 2
+    with tempfile.TemporaryDirectory() as tmp:
+        models = {"demo": BUNDLED_MODEL}
+        if not args.smoke:
+            name = f"llama-{args.hidden}x{args.layers}"
+            models[name] = random_model(Path(tmp) / name, hidden=args.hidden,
+                                        layers=args.layers)
+        rows = asyncio.run(measure(models, rounds=args.rounds, max_tokens=args.max_tokens,
+                                   slots=args.slots))
+    args.out.mkdir(parents=True, exist_ok=True)
+    ok = all(r["overhead"] < TARGET for r in rows)
+    (args.out / "bench_margins.json").write_text(json.dumps(
+        {"rows": rows, "target": TARGET, "ok": ok}, indent=2) + "\n")
+    _plot(rows, args.out)
+    print("| model | slots | on (ms/token) | off (ms/token) | overhead |\n"
+          "|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['model']} | {r['slots']} | {r['on_ms_per_token']} | "
+              f"{r['off_ms_per_token']} | {100 * r['overhead']:+.2f} % |")
+    print(f"target: {'ok' if ok else 'ABOVE'} (< {100 * TARGET:.0f} % of the decode time)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
