@@ -1,0 +1,128 @@
+"""`cacheproxy compare` end to end (in-process: `cli.main.run`): entries a proxy stored on the
+demo model, replayed on an identical copy (100 % exact) and on its 4-bit quantization
+(`cacheproxy demo-model --quantize 4`), with the report's fields, the HTML report and the
+gates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import Proxy, ProxyFactory
+from tests.harness.cli import cacheproxy_blocking
+
+run = cacheproxy_blocking  # the CLI as a user runs it, in-process
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ANIMAL = {"type": "json_schema", "json_schema": {"name": "animal", "strict": True, "schema": {
+    "type": "object", "additionalProperties": False, "required": ["animal", "food"],
+    "properties": {"animal": {"type": "string"}, "food": {"type": "string"}}}}}
+NO_THINKING = {"enable_thinking": False}
+
+
+def _chat(content: str, **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 48, **extra}
+
+
+REQUESTS = [
+    # Thinking on: the 4-bit model thinks in other words at token 4 (the stored answer's
+    # smallest margin), then gives the same answer for the fox and another for the bear.
+    _chat("Tell me everything about the fox.", max_tokens=120),
+    _chat("Tell me everything about the bear.", max_tokens=120),
+    _chat("Tell me about the cat."),
+    _chat("Where does the owl live?"),
+    _chat("Tell me about the fox.", response_format=ANIMAL, chat_template_kwargs=NO_THINKING),
+    _chat("What does the bear eat?", response_format=ANIMAL, chat_template_kwargs=NO_THINKING),
+    _chat("What is the weather in Lima?", tools=[WEATHER], tool_choice="required",
+          chat_template_kwargs=NO_THINKING),
+    _chat("What is the weather in Oslo?", tools=[WEATHER], tool_choice="required",
+          chat_template_kwargs=NO_THINKING),
+]
+# REQUESTS[4:6] ask for JSON, REQUESTS[6:] force a tool call.
+
+
+async def _fill(proxy: Proxy) -> list[str]:
+    keys = []
+    async with aiohttp.ClientSession() as session:
+        for body in REQUESTS:
+            async with session.post(proxy.url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200 and resp.headers["X-Cache"] == "MISS", await resp.text()
+                keys.append(resp.headers["X-Cache-Key"])
+    return keys
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """An identical copy of the demo model and its 4-bit quantization, written by the CLI."""
+    where = tmp_path_factory.mktemp("models")
+    run("demo-model", "--out", str(where / "copy"), check=True)
+    run("demo-model", "--out", str(where / "q4"), "--quantize", "4", check=True)
+    return {"copy": where / "copy", "q4": where / "q4"}
+
+
+async def test_compare_with_a_copy_and_with_the_4_bit_quantization(
+    make_proxy: ProxyFactory, tmp_path: Path, models: dict[str, Path]
+) -> None:
+    store = f"disk://{tmp_path}/store"
+    keys = await _fill(await make_proxy(store=store))
+
+    same = run("compare", "--store", store, "--to", str(models["copy"]), "--json",
+               "--require-exact", "1.0")
+    assert same.returncode == 0, same.stderr
+    report = json.loads(same.stdout)
+    assert report["checked"] == len(REQUESTS) and sorted(e["key"] for e in report["entries"]) \
+        == sorted(keys)
+    assert report["exact_match_rate"] == 1.0 and report["parsed_match_rate"] == 1.0
+    assert report["fingerprints"]["differ"] == {}  # same files elsewhere: same fingerprint
+    assert "token ids" in report["checks"] and report["unchecked"] == []
+
+    q4 = run("compare", "--store", store, "--to", str(models["q4"]), "--json",
+             "--report", str(tmp_path / "report.html"))
+    assert q4.returncode == 0, q4.stderr
+    report = json.loads(q4.stdout)
+    differ = report["fingerprints"]["differ"]
+    assert differ["weights_digest"]["stored"] != differ["weights_digest"]["candidate"]
+    assert differ["quantization"]["candidate"]["bits"] == 4
+    entries = {e["key"]: e for e in report["entries"]}
+    fox, bear = entries[keys[0]], entries[keys[1]]
+    # Exact < parsed: the fox's thought changed, its answer did not.
+    assert not fox["exact"] and fox["parsed_equal"] and fox["compared_by"] == "text"
+    assert not bear["exact"] and not bear["parsed_equal"]
+    assert report["exact_match_rate"] < report["parsed_match_rate"] < 1.0
+    for e in entries.values():  # every entry: its margin, both texts; json and calls parsed
+        assert e["margin"]["smallest"] is not None and e["stored_text"] and e["candidate_text"]
+    assert {entries[k]["compared_by"] for k in keys[4:6]} == {"json"}
+    assert {entries[k]["compared_by"] for k in keys[6:]} == {"tool_calls"}
+    # Every divergence listed with the stored margin, and the stored gap where it diverged.
+    divergences = report["divergences"]
+    assert {d["key"] for d in divergences["entries"]} == \
+        {k for k, e in entries.items() if not e["exact"]}
+    for d in divergences["entries"]:
+        assert d["margin"] is not None and d["first_divergence"] is not None
+        assert (d["gap_at_divergence"] is None) != (d["gap_at_divergence_at_least"] is None)
+    fox_divergence = next(d for d in divergences["entries"] if d["key"] == keys[0])
+    assert fox_divergence["gap_at_divergence"] == fox["margin"]["smallest"]
+    page = (tmp_path / "report.html").read_text()
+    assert "data:image/png;base64," in page and "parsed-match rate" in page
+    assert keys[0].partition("/")[2][:16] in page and "weights_digest" in page
+
+    # The gates, and the terminal table.
+    table = run("compare", "--store", store, "--to", str(models["q4"]), "--require-parsed",
+                "1.0")
+    assert table.returncode == 1 and "parsed-match rate" in table.stderr
+    assert "exact-match rate" in table.stdout and "weights_digest" in table.stdout
+    assert f"{keys[0]}: tokens differ at token 4" in table.stdout
+    # With an extractor, the bear's answer (what it eats) survived the rewording too; its
+    # JSON answer did not ("honey.! " -> "honey"): JSON is compared parsed, not extracted.
+    extracted = run("compare", "--store", store, "--to", str(models["q4"]), "--json",
+                    "--extract", r"eats (\w+)", "--require-parsed", "0.8")
+    assert extracted.returncode == 0, extracted.stderr
+    with_extractor = json.loads(extracted.stdout)
+    bear = next(e for e in with_extractor["entries"] if e["key"] == keys[1])
+    assert bear["parsed_equal"] and bear["compared_by"] == "extracted"
+    assert with_extractor["parsed_match_rate"] > report["parsed_match_rate"]
