@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -62,12 +63,15 @@ async def run(settings: Settings, args: argparse.Namespace) -> int:
         require_matplotlib()
     if args.sample is not None and args.sample < 1:
         raise ValueError(f"--sample {args.sample}: give 1 or more entries")
+    runner = candidate_runner(settings, args.to, args.to_model_dir)  # (checks --to first)
     namespace = args.namespace or stored_namespace(settings)
-    runner = candidate_runner(settings, args.to, args.to_model_dir)
-    async with started(runner):
-        comparison = await cmp.compare(runner, args.to, settings.store, namespace=namespace,
-                                       sample=args.sample, extractor=extractor,
-                                       progress=not args.json)
+    # Whatever the runners log while they work goes to stderr: stdout holds the report only
+    # (the upstream runner logs through structlog, whose default is stdout).
+    with contextlib.redirect_stdout(sys.stderr):
+        async with started(runner):
+            comparison = await cmp.compare(runner, args.to, settings.store,
+                                           namespace=namespace, sample=args.sample,
+                                           extractor=extractor, progress=not args.json)
     if args.json:
         cmp.write_json(comparison)
     else:

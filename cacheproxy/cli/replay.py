@@ -132,9 +132,12 @@ async def _entry(runner: Runner, store: Backend, key: str, logprobs: bool,
         record = codec.decode(data)
     except codec.CorruptRecord as exc:
         return _failed(key, f"undecodable: {exc}", None), None
+    request = CanonicalRequest.from_wire(record.request)
+    if (refused := refusal(request, runner)) is not None:
+        return _failed(key, f"not replayed: {refused}", record), record
     try:
-        output = await generate(runner, CanonicalRequest.from_wire(record.request))
-    except ProxyError as exc:  # the candidate cannot answer it (e.g. no grammar engine)
+        output = await generate(runner, request)
+    except ProxyError as exc:  # the candidate refuses it (e.g. an upstream: tool_choice)
         return _failed(key, f"candidate failed: {exc}", record), record
     json_answer = bool(record.request.get("response_format"))
     meaning = same_meaning(record.output, output, json_answer=json_answer,
@@ -143,6 +146,16 @@ async def _entry(runner: Runner, store: Backend, key: str, logprobs: bool,
     return EntryResult(key, diff is None, diff, meaning.equal, meaning.how,
                        from_provenance(record.provenance), shown(record.output), shown(output),
                        bool(record.output.token_ids and output.token_ids)), record
+
+
+def refusal(request: CanonicalRequest, runner: Runner) -> str | None:
+    """Why the runner cannot answer a stored request as it was answered (the edge refuses
+    such a request up front; a replay skips the edge), or None."""
+    constrained = bool(request.response_format) or any(t.strict for t in request.tools)
+    if constrained and not runner.defaults().grammar_engine:
+        return ("the candidate cannot constrain decoding (mlx_lm.server ignores "
+                "response_format and strict tools)")
+    return None
 
 
 def shown(output: codec.Output) -> str:
