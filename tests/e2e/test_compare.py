@@ -126,3 +126,18 @@ async def test_compare_with_a_copy_and_with_the_4_bit_quantization(
     bear = next(e for e in with_extractor["entries"] if e["key"] == keys[1])
     assert bear["parsed_equal"] and bear["compared_by"] == "extracted"
     assert with_extractor["parsed_match_rate"] > report["parsed_match_rate"]
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (("--to", "/no/such/model"), "neither an http(s) URL nor a model directory"),
+    (("--to", "/tmp", "--require-parsed", "1.5"), "not a rate between 0 and 1"),
+    (("--to", "/tmp", "--require-exact", "most"), "is not a number"),
+    (("--to", "/tmp", "--extract", "(unclosed"), "neither module:function nor a valid"),
+    (("--to", "/tmp", "--extract", "os.path:nothing_here"), "has no function nothing_here"),
+    (("--sample", "2"), "the following arguments are required: --to"),
+])
+def test_bad_compare_flags_are_clear_errors(flags: tuple[str, ...], says: str,
+                                            tmp_path: Path) -> None:
+    done = run("compare", "--store", f"disk://{tmp_path}/store", *flags)
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+    assert not (tmp_path / "store").exists()  # nothing was opened, nothing written
