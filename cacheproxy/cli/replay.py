@@ -11,6 +11,7 @@ runtime), where it is a measurement.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,10 @@ class EntryResult:
     stored_text: str
     candidate_text: str
     token_ids: bool  # both sides had token ids (an upstream's answers have none)
+    # What a rewrite needs (not reported): the stored request and the candidate's answer.
+    request: Mapping[str, Any] | None = None
+    candidate_output: codec.Output | None = None
+    candidate_ms: float = 0.0
 
     @property
     def first_divergence(self) -> int | None:
@@ -135,6 +140,7 @@ async def _entry(runner: Runner, store: Backend, key: str, logprobs: bool,
     request = CanonicalRequest.from_wire(record.request)
     if (refused := refusal(request, runner)) is not None:
         return _failed(key, f"not replayed: {refused}", record), record
+    started = time.monotonic()
     try:
         output = await generate(runner, request)
     except ProxyError as exc:  # the candidate refuses it (e.g. an upstream: tool_choice)
@@ -145,7 +151,8 @@ async def _entry(runner: Runner, store: Backend, key: str, logprobs: bool,
     diff = difference(record.output, output, logprobs=logprobs)
     return EntryResult(key, diff is None, diff, meaning.equal, meaning.how,
                        from_provenance(record.provenance), shown(record.output), shown(output),
-                       bool(record.output.token_ids and output.token_ids)), record
+                       bool(record.output.token_ids and output.token_ids), record.request,
+                       output, (time.monotonic() - started) * 1000), record
 
 
 def refusal(request: CanonicalRequest, runner: Runner) -> str | None:

@@ -6,14 +6,23 @@ gates."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp.test_utils import TestServer
 
+from cacheproxy.cli.serve import build_app
+from cacheproxy.cli.settings import DEMO_MODEL_ID, Settings
+from cacheproxy.runners.demo.model import BUNDLED_MODEL
+from cacheproxy.runners.mlx import MlxOptions, MlxRunner
+from cacheproxy.service.cassette import open_store
 from tests.conftest import Proxy, ProxyFactory
 from tests.harness.cli import cacheproxy_blocking
+from tests.harness.processes import free_port
 
 run = cacheproxy_blocking  # the CLI as a user runs it, in-process
 
@@ -134,10 +143,80 @@ async def test_compare_with_a_copy_and_with_the_4_bit_quantization(
     (("--to", "/tmp", "--require-exact", "most"), "is not a number"),
     (("--to", "/tmp", "--extract", "(unclosed"), "neither module:function nor a valid"),
     (("--to", "/tmp", "--extract", "os.path:nothing_here"), "has no function nothing_here"),
-    (("--sample", "2"), "the following arguments are required: --to"),
+    (("--sample", "2"), "say what to compare with: --to CANDIDATE"),
+    (("--to", "/tmp", "--rewrite"), "--rewrite rewrites a cassette"),
+    (("--cassette", "/no/such.jsonl"), "--cassette /no/such.jsonl: no such file"),
 ])
 def test_bad_compare_flags_are_clear_errors(flags: tuple[str, ...], says: str,
                                             tmp_path: Path) -> None:
     done = run("compare", "--store", f"disk://{tmp_path}/store", *flags)
     assert done.returncode == 2 and says in done.stderr, done.stderr
     assert not (tmp_path / "store").exists()  # nothing was opened, nothing written
+
+
+async def test_a_cassette_moves_to_the_4_bit_model_in_one_reviewed_step(
+    runner: MlxRunner, tmp_path: Path, models: dict[str, Path]
+) -> None:
+    """Recorded on fp32, compared and rewritten for the 4-bit model (the bear's answer
+    changed: exit 1, named, left out), then replayed on the 4-bit model: HITs."""
+    recording = tmp_path / "llm.jsonl"
+    bodies = [REQUESTS[0], REQUESTS[1], REQUESTS[4], REQUESTS[6]]  # fox, bear, JSON, tool
+    async with served(runner, recording, replay=False) as url:
+        keys = await _post_all(url, bodies, "MISS")
+    text = recording.read_text()
+    # Machine-neutral: no absolute model path, no generation time; the digests stay.
+    assert str(BUNDLED_MODEL.parent) not in text and '"generation_ms"' not in text
+    assert '"model_path":"demo-model"' in text and '"weights_digest"' in text
+
+    done = run("compare", "--cassette", str(recording), "--to", str(models["q4"]),
+               "--rewrite")
+    assert done.returncode == 1
+    assert f"meaning changed: {keys[1]} (tokens differ)" in done.stderr, done.stderr
+    assert "3 entries carried over" in done.stderr
+    lines = [json.loads(line) for line in recording.read_text().splitlines()]
+    q4 = MlxRunner(MlxOptions(model=str(models["q4"]), model_id=DEMO_MODEL_ID))
+    await q4.start()
+    try:
+        digest = q4.fingerprint().digest
+        assert len(lines) == 3 and {line["key"].partition("/")[0] for line in lines} == {digest}
+        assert all(line["provenance"]["rewritten_from"] in keys for line in lines)
+        async with served(q4, recording, replay=True) as url:
+            await _post_all(url, [bodies[0], *bodies[2:]], "HIT")
+            async with aiohttp.ClientSession() as session, \
+                    session.post(url + "/v1/chat/completions", json=bodies[1]) as resp:
+                assert resp.status == 404 and (await resp.json())["error"]["code"] == \
+                    "not_recorded"
+        assert q4.generations == 0
+    finally:
+        await q4.aclose()
+    # Rewritten once more on the same model: every entry exact, nothing changed: exit 0.
+    again = run("compare", "--cassette", str(recording), "--to", str(models["q4"]),
+                "--rewrite", "--require-exact", "1.0")
+    assert again.returncode == 0, again.stderr
+
+
+@asynccontextmanager
+async def served(on: MlxRunner, recording: Path, *, replay: bool) -> AsyncIterator[str]:
+    """A proxy on a jsonl:// recording (written back when it stops, unless it replays)."""
+    settings = Settings(store=f"jsonl://{recording}", model=str(BUNDLED_MODEL), watch=False,
+                        replay=replay)
+    store = await open_store(settings.store, replay=replay)
+    server = TestServer(build_app(settings, runner=on, store=store), host="127.0.0.1",
+                        port=free_port())
+    await server.start_server()
+    try:
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        await server.close()
+        await store.aclose()
+
+
+async def _post_all(url: str, bodies: list[dict[str, Any]], status: str) -> list[str]:
+    keys = []
+    async with aiohttp.ClientSession() as session:
+        for body in bodies:
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200 and resp.headers["X-Cache"] == status, \
+                    await resp.text()
+                keys.append(resp.headers["X-Cache-Key"])
+    return keys
