@@ -16,14 +16,27 @@ from cacheproxy.keys.margin import Margin, summarize
 def gap(logprobs: Any, token: Any) -> Any:
     """The chosen token's lead over the best other token, per row (lazy).
 
-    `logprobs` is (rows, V), `token` (rows,). Negative when the sampler drew a token that was
-    not the most likely; +inf when only one token was possible (a grammar forced it)."""
+    `logprobs` is (rows, V), `token` (rows,); the gaps are (rows, 1). Negative when the
+    sampler drew a token that was not the most likely; +inf when only one token was possible
+    (a grammar forced it). Two passes over the row (a copy with the chosen token masked, and
+    its max): on the CPU a top-2 partition of a 152k vocabulary costs ten times more."""
     import mlx.core as mx
 
-    chosen = mx.take_along_axis(logprobs, token.reshape(-1, 1).astype(mx.int32), axis=-1)
-    top = mx.topk(logprobs, 2, axis=-1)  # the two largest, in no particular order
-    hi, lo = mx.max(top, axis=-1, keepdims=True), mx.min(top, axis=-1, keepdims=True)
-    return mx.where(chosen >= hi, chosen - lo, chosen - hi).reshape(-1)
+    index = token[:, None]  # (as few ops as can do: this runs once per token)
+    chosen = mx.take_along_axis(logprobs, index, axis=-1)
+    others = mx.put_along_axis(logprobs, index, _minus_infinity(logprobs.dtype), axis=-1)
+    return chosen - mx.max(others, axis=-1, keepdims=True)  # (rows, 1)
+
+
+_MINUS_INFINITY: dict[Any, Any] = {}
+
+
+def _minus_infinity(dtype: Any) -> Any:
+    import mlx.core as mx
+
+    if dtype not in _MINUS_INFINITY:
+        _MINUS_INFINITY[dtype] = mx.array(-mx.inf, dtype)
+    return _MINUS_INFINITY[dtype]
 
 
 class Trail:
@@ -51,7 +64,7 @@ class Trail:
         self._gaps = []
         if not kept:
             return None
-        values: list[float] = mx.concatenate(kept).tolist()  # type: ignore[assignment]
+        values: list[float] = mx.concatenate(kept).reshape(-1).tolist()  # type: ignore[assignment]
         return summarize(values)
 
 
