@@ -30,16 +30,21 @@ def plot_png(report: dict[str, Any]) -> bytes:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8),
                                       gridspec_kw={"width_ratios": [3, 1]})
-    entries = report["entries"]
-    for exact, colour, label in ((False, "tab:red", "diverged"), (True, "tab:green", "exact")):
-        points = [(e["margin"]["at"] if exact else e["first_divergence"], e["margin"]["smallest"])
-                  for e in entries if e["exact"] == exact and e["margin"]
-                  and e["margin"]["smallest"] is not None
-                  and (exact or e["first_divergence"] is not None)]
+    exact = [(e["margin"]["at"], e["margin"]["smallest"]) for e in report["entries"]
+             if e["exact"] and e["margin"] and e["margin"]["smallest"] is not None]
+    rows = [d for d in report["divergences"]["entries"] if d["first_divergence"] is not None]
+    known = [(d["first_divergence"], d["gap_at_divergence"]) for d in rows
+             if d["gap_at_divergence"] is not None]
+    bounded = [(d["first_divergence"], d["gap_at_divergence_at_least"]) for d in rows
+               if d["gap_at_divergence_at_least"] is not None]
+    for points, style in ((exact, {"color": "tab:green", "label": "exact: smallest gap"}),
+                          (known, {"color": "tab:red", "label": "diverged: gap there"}),
+                          (bounded, {"color": "tab:red", "marker": "^",
+                                     "label": "diverged: gap there at least"})):
         if points:
-            left.scatter(*zip(*points, strict=True), color=colour, label=label, alpha=0.7)
-    left.set_xlabel("token index (diverged: first divergence; exact: smallest margin)")
-    left.set_ylabel("stored answer's smallest margin")
+            left.scatter(*zip(*points, strict=True), alpha=0.7, **style)
+    left.set_xlabel("token index (diverged: first divergence; exact: its smallest gap)")
+    left.set_ylabel("stored answer's gap (logits)")
     left.set_yscale("symlog", linthresh=1e-3)
     if left.get_legend_handles_labels()[0]:
         left.legend()
