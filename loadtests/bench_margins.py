@@ -7,9 +7,10 @@ Two in-process runners of the same model in one process, one measuring margins a
 (`MlxOptions.measure_margins`, the benchmark's switch), answer the same prompts in turns
 (on, off, on, off, ...), first with one slot (batch of one), then with `--decode-slots S`
 and S prompts at once. Both must give the same tokens (the script fails otherwise). The table
-gives the time per generated token each way and the overhead; the target is under 3 % of the
-decode time. Only the wall time of whole generations is taken (prefill included: the prompts
-are short), the median over the rounds.
+gives the time per generated token each way and the overhead, as CPU time of the process (on a
+shared machine the wall time moves with the neighbours far more than the cost measured) and as
+wall time; the target is under 3 % of the decode time. Whole generations are timed (prefill
+included: the prompts are short), the median over the rounds.
 """
 
 from __future__ import annotations
@@ -55,10 +56,13 @@ async def _answer(runner: MlxRunner, request: CanonicalRequest) -> list[int]:
     return generation.output.token_ids
 
 
-async def _round(runner: MlxRunner, batch: list[CanonicalRequest]) -> tuple[float, list[Any]]:
-    started = time.perf_counter()
+async def _round(runner: MlxRunner, batch: list[CanonicalRequest]
+                 ) -> tuple[float, float, list[Any]]:
+    """Wall and CPU seconds of one round (the CPU time of this process, every thread: on a
+    shared machine it moves far less than the wall time with what the neighbours do)."""
+    wall, cpu = time.perf_counter(), time.process_time()
     answers = await asyncio.gather(*(_answer(runner, r) for r in batch))
-    return time.perf_counter() - started, answers
+    return time.perf_counter() - wall, time.process_time() - cpu, answers
 
 
 async def side_by_side(model: Path, *, slots: int, rounds: int, max_tokens: int
@@ -71,22 +75,28 @@ async def side_by_side(model: Path, *, slots: int, rounds: int, max_tokens: int
         await r.start()
     try:
         requests = _requests(runners[True], max_tokens)
-        per_token: dict[bool, list[float]] = {True: [], False: []}
+        wall: dict[bool, list[float]] = {True: [], False: []}
+        cpu: dict[bool, list[float]] = {True: [], False: []}
         for n in range(rounds):
             batch = [requests[(n * slots + i) % len(requests)] for i in range(slots)]
             answers = {}
             for on in ((True, False) if n % 2 == 0 else (False, True)):
-                seconds, answers[on] = await _round(runners[on], batch)
-                per_token[on].append(seconds / sum(len(a) for a in answers[on]))
+                seconds, cpu_seconds, answers[on] = await _round(runners[on], batch)
+                tokens = sum(len(a) for a in answers[on])
+                wall[on].append(seconds / tokens)
+                cpu[on].append(cpu_seconds / tokens)
             if answers[True] != answers[False]:
                 raise RuntimeError("measuring margins changed an answer")
     finally:
         for r in runners.values():
             await r.aclose()
-    with_m, without = statistics.median(per_token[True]), statistics.median(per_token[False])
-    return {"slots": slots, "rounds": rounds, "on_ms_per_token": round(with_m * 1000, 4),
-            "off_ms_per_token": round(without * 1000, 4),
-            "overhead": round(with_m / without - 1, 4)}
+    row: dict[str, Any] = {"slots": slots, "rounds": rounds}
+    for name, values in (("cpu", cpu), ("wall", wall)):
+        with_m, without = statistics.median(values[True]), statistics.median(values[False])
+        row.update({f"{name}_on_ms": round(with_m * 1000, 4),
+                    f"{name}_off_ms": round(without * 1000, 4),
+                    f"{name}_overhead": round(with_m / without - 1, 4)})
+    return row
 
 
 async def measure(models: dict[str, Path], *, rounds: int, max_tokens: int, slots: int
@@ -108,9 +118,9 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> None:
 
     labels = [f"{r['model']}\nS={r['slots']}" for r in rows]
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.bar(labels, [100 * r["overhead"] for r in rows], color="tab:blue")
+    ax.bar(labels, [100 * r["cpu_overhead"] for r in rows], color="tab:blue")
     ax.axhline(100 * TARGET, color="tab:red", linestyle="--", label="target 3 %")
-    ax.set_ylabel("margins: added time per token (%)")
+    ax.set_ylabel("margins: added CPU time per token (%)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "bench_margins.png", dpi=100)
@@ -137,16 +147,18 @@ def main() -> int:
         rows = asyncio.run(measure(models, rounds=args.rounds, max_tokens=args.max_tokens,
                                    slots=args.slots))
     args.out.mkdir(parents=True, exist_ok=True)
-    ok = all(r["overhead"] < TARGET for r in rows)
+    ok = all(r["cpu_overhead"] < TARGET for r in rows)
     (args.out / "bench_margins.json").write_text(json.dumps(
         {"rows": rows, "target": TARGET, "ok": ok}, indent=2) + "\n")
     _plot(rows, args.out)
-    print("| model | slots | on (ms/token) | off (ms/token) | overhead |\n"
-          "|---|---:|---:|---:|---:|")
+    print("| model | slots | CPU on (ms/token) | CPU off | CPU overhead | wall on | wall off "
+          "| wall overhead |\n|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['model']} | {r['slots']} | {r['on_ms_per_token']} | "
-              f"{r['off_ms_per_token']} | {100 * r['overhead']:+.2f} % |")
-    print(f"target: {'ok' if ok else 'ABOVE'} (< {100 * TARGET:.0f} % of the decode time)")
+        print(f"| {r['model']} | {r['slots']} | {r['cpu_on_ms']} | {r['cpu_off_ms']} | "
+              f"{100 * r['cpu_overhead']:+.2f} % | {r['wall_on_ms']} | {r['wall_off_ms']} | "
+              f"{100 * r['wall_overhead']:+.2f} % |")
+    print(f"target: {'ok' if ok else 'ABOVE'} (CPU time: < {100 * TARGET:.0f} % of the decode "
+          "time)")
     return 0
 
 
