@@ -163,7 +163,10 @@ async def compare(candidate: Runner, target: str, url: str, *, namespace: str,
 
 def gate(comparison: Comparison, *, require_exact: float | None,
          require_parsed: float | None) -> list[str]:
-    """The gates the comparison fails (empty: the exit status is 0)."""
+    """The gates the comparison fails (empty: the exit status is 0). Nothing compared fails
+    too: a gate must not pass on a namespace that holds no entries (a wrong --model)."""
+    if not comparison.checked:
+        return [f"no entries compared: namespace {comparison.namespace} holds none"]
     failed = []
     if require_exact is not None and comparison.exact_match_rate < require_exact:
         failed.append(f"exact-match rate {comparison.exact_match_rate:.1%} is below the "
