@@ -3,13 +3,15 @@
     python loadtests/bench_margins.py              # demo model and a random Llama 1024x8
     python loadtests/bench_margins.py --smoke      # the demo model only, a few prompts
 
-Two in-process runners of the same model in one process, one measuring margins and one not
+Three in-process runners of the same model in one process, two measuring margins and one not
 (`MlxOptions.measure_margins`, the benchmark's switch), answer the same prompts in turns
-(on, off, on, off, ...), first with one slot (batch of one), then with `--decode-slots S`
-and S prompts at once. Both must give the same tokens (the script fails otherwise). The table
-gives the time per generated token each way and the overhead, as CPU time of the process (on a
-shared machine the wall time moves with the neighbours far more than the cost measured) and as
-wall time; the target is under 3 % of the decode time. Whole generations are timed (prefill
+(on, off, on again; then the other way round), the second measuring one an A/A control (how
+far one configuration differs from itself here: the resolution of the figure), first with
+one slot (batch of one), then with `--decode-slots S` and S prompts at once. Measuring and
+not must give the same tokens (the script fails otherwise). The table gives the time per
+generated token each way and the overhead, as CPU time of the process (on a shared machine the
+wall time moves with the neighbours far more than the cost measured) and as wall time; the
+target is under 3 % of the decode time. Whole generations are timed (prefill
 included: the prompts are short), the median over the rounds.
 """
 
@@ -38,6 +40,7 @@ PROMPTS = ["What does the fox eat?", "Tell me about the cat.", "Where does the o
            "Tell me about the fox.", "What is the weather in Lima?", "Hello!",
            "What does the duck say?", "Tell me about the wolf."]
 TARGET = 0.03
+VARIANTS = ("on", "off", "on again")
 
 
 def _requests(runner: MlxRunner, max_tokens: int) -> list[CanonicalRequest]:
@@ -68,34 +71,38 @@ async def _round(runner: MlxRunner, batch: list[CanonicalRequest]
 async def side_by_side(model: Path, *, slots: int, rounds: int, max_tokens: int
                        ) -> dict[str, Any]:
     """Per-token decode time with margins measured and without, alternating per round."""
-    runners = {on: MlxRunner(MlxOptions(model=str(model), model_id=DEMO_MODEL_ID,
-                                        decode_slots=slots, prefix_cache_bytes=0,
-                                        measure_margins=on)) for on in (True, False)}
+    # "on", "off", and "on again": a second measuring runner, the A/A control (what the
+    # same configuration differs from itself by: the resolution of this machine, now).
+    runners = {name: MlxRunner(MlxOptions(model=str(model), model_id=DEMO_MODEL_ID,
+                                          decode_slots=slots, prefix_cache_bytes=0,
+                                          measure_margins=name != "off"))
+               for name in VARIANTS}
     for r in runners.values():
         await r.start()
     try:
-        requests = _requests(runners[True], max_tokens)
-        wall: dict[bool, list[float]] = {True: [], False: []}
-        cpu: dict[bool, list[float]] = {True: [], False: []}
+        requests = _requests(runners["on"], max_tokens)
+        wall: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        cpu: dict[str, list[float]] = {name: [] for name in VARIANTS}
         for n in range(rounds):
             batch = [requests[(n * slots + i) % len(requests)] for i in range(slots)]
             answers = {}
-            for on in ((True, False) if n % 2 == 0 else (False, True)):
-                seconds, cpu_seconds, answers[on] = await _round(runners[on], batch)
-                tokens = sum(len(a) for a in answers[on])
-                wall[on].append(seconds / tokens)
-                cpu[on].append(cpu_seconds / tokens)
-            if answers[True] != answers[False]:
+            for name in VARIANTS if n % 2 == 0 else VARIANTS[::-1]:
+                seconds, cpu_seconds, answers[name] = await _round(runners[name], batch)
+                tokens = sum(len(a) for a in answers[name])
+                wall[name].append(seconds / tokens)
+                cpu[name].append(cpu_seconds / tokens)
+            if answers["on"] != answers["off"]:
                 raise RuntimeError("measuring margins changed an answer")
     finally:
         for r in runners.values():
             await r.aclose()
     row: dict[str, Any] = {"slots": slots, "rounds": rounds}
-    for name, values in (("cpu", cpu), ("wall", wall)):
-        with_m, without = statistics.median(values[True]), statistics.median(values[False])
-        row.update({f"{name}_on_ms": round(with_m * 1000, 4),
-                    f"{name}_off_ms": round(without * 1000, 4),
-                    f"{name}_overhead": round(with_m / without - 1, 4)})
+    for kind, values in (("cpu", cpu), ("wall", wall)):
+        m = {name: statistics.median(v) for name, v in values.items()}
+        row.update({f"{kind}_on_ms": round(m["on"] * 1000, 4),
+                    f"{kind}_off_ms": round(m["off"] * 1000, 4),
+                    f"{kind}_overhead": round(m["on"] / m["off"] - 1, 4),
+                    f"{kind}_aa": round(m["on again"] / m["on"] - 1, 4)})
     return row
 
 
@@ -151,12 +158,14 @@ def main() -> int:
     (args.out / "bench_margins.json").write_text(json.dumps(
         {"rows": rows, "target": TARGET, "ok": ok}, indent=2) + "\n")
     _plot(rows, args.out)
-    print("| model | slots | CPU on (ms/token) | CPU off | CPU overhead | wall on | wall off "
-          "| wall overhead |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| model | slots | CPU on (ms/token) | CPU off | CPU overhead | CPU A/A | wall on | "
+          "wall off | wall overhead | wall A/A |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['model']} | {r['slots']} | {r['cpu_on_ms']} | {r['cpu_off_ms']} | "
-              f"{100 * r['cpu_overhead']:+.2f} % | {r['wall_on_ms']} | {r['wall_off_ms']} | "
-              f"{100 * r['wall_overhead']:+.2f} % |")
+              f"{100 * r['cpu_overhead']:+.2f} % | {100 * r['cpu_aa']:+.2f} % | "
+              f"{r['wall_on_ms']} | {r['wall_off_ms']} | {100 * r['wall_overhead']:+.2f} % | "
+              f"{100 * r['wall_aa']:+.2f} % |")
     print(f"target: {'ok' if ok else 'ABOVE'} (CPU time: < {100 * TARGET:.0f} % of the decode "
           "time)")
     return 0

@@ -8,6 +8,7 @@ without writing to the store (`replay`, the engine `verify` uses too). Per entry
 meaning (`meaning`), and the stored answer's near-tie margin; over all: both rates, what
 differs between the two fingerprints, and where answers diverged against their margins.
 `--require-exact R` / `--require-parsed R` make the exit status 1 below a rate (a CI gate).
+`--cassette FILE` compares a recording, and `--rewrite` moves it to the candidate (`rewrite`).
 """
 
 from __future__ import annotations
