@@ -117,6 +117,13 @@ async def measure(models: dict[str, Path], *, rounds: int, max_tokens: int, slot
     return rows
 
 
+def verdict(row: dict[str, Any]) -> str:
+    """ok, ABOVE, or unresolved when the A/A control moved by the target or more."""
+    if abs(row["cpu_aa"]) >= TARGET:
+        return f"unresolved (A/A {100 * row['cpu_aa']:+.1f} %)"
+    return "ok" if row["cpu_overhead"] < TARGET else "ABOVE"
+
+
 def _plot(rows: list[dict[str, Any]], out: Path) -> None:
     import matplotlib
 
@@ -154,20 +161,22 @@ def main() -> int:
         rows = asyncio.run(measure(models, rounds=args.rounds, max_tokens=args.max_tokens,
                                    slots=args.slots))
     args.out.mkdir(parents=True, exist_ok=True)
-    ok = all(r["cpu_overhead"] < TARGET for r in rows)
+    for r in rows:
+        r["verdict"] = verdict(r)
+    ok = all(r["verdict"] == "ok" for r in rows)
     (args.out / "bench_margins.json").write_text(json.dumps(
         {"rows": rows, "target": TARGET, "ok": ok}, indent=2) + "\n")
     _plot(rows, args.out)
     print("| model | slots | CPU on (ms/token) | CPU off | CPU overhead | CPU A/A | wall on | "
-          "wall off | wall overhead | wall A/A |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "wall off | wall overhead | wall A/A | verdict |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(f"| {r['model']} | {r['slots']} | {r['cpu_on_ms']} | {r['cpu_off_ms']} | "
               f"{100 * r['cpu_overhead']:+.2f} % | {100 * r['cpu_aa']:+.2f} % | "
               f"{r['wall_on_ms']} | {r['wall_off_ms']} | {100 * r['wall_overhead']:+.2f} % | "
-              f"{100 * r['wall_aa']:+.2f} % |")
-    print(f"target: {'ok' if ok else 'ABOVE'} (CPU time: < {100 * TARGET:.0f} % of the decode "
-          "time)")
+              f"{100 * r['wall_aa']:+.2f} % | {r['verdict']} |")
+    print(f"target (CPU time < {100 * TARGET:.0f} % of the decode time, where the A/A control "
+          f"resolves it): {', '.join(sorted({r['verdict'] for r in rows}))}")
     return 0
 
 
