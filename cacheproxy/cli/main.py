@@ -1,5 +1,5 @@
 """`cacheproxy` command line: serve, demo-model, agent-model, fingerprint, stats, inspect,
-purge, export, import, verify."""
+purge, export, import, verify, compare, explain."""
 
 from __future__ import annotations
 
@@ -9,15 +9,13 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 from backends.base import BackendError
 from cacheproxy import __version__
+from cacheproxy.cli import compare_run
 from cacheproxy.cli.settings import Settings, build_settings
 from cacheproxy.errors import UpstreamUnavailable
-
-if TYPE_CHECKING:
-    from cacheproxy.runners.mlx import MlxRunner
 
 # `serve` flags: (flag, argparse options); each is also CACHEPROXY_<DEST> (cli/settings.py).
 SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -125,6 +123,7 @@ def _parser() -> argparse.ArgumentParser:
         serve.add_argument(flag, **{"dest": flag[2:].replace("-", "_"), **options})
     _add_model_commands(sub)
     _add_store_commands(sub)
+    compare_run.add_parser(sub)
     return parser
 
 
@@ -153,6 +152,12 @@ def _add_store_commands(sub: Any) -> None:
     st = sub.add_parser("stats", help="entries and bytes per namespace")
     st.add_argument("--store")
     st.add_argument("--json", action="store_true")
+    st.add_argument("--fragile-below", type=float, metavar="GAP",
+                    help="smallest near-tie margin under which an entry counts as fragile "
+                         "(default 0.01)")
+    st.add_argument("--fragile-sample", type=int, metavar="N",
+                    help="entries per namespace read to count the fragile ones (default 1000; "
+                         "0: none)")
     ins = sub.add_parser("inspect", help="one entry with its provenance")
     ins.add_argument("key")
     ins.add_argument("--store")
@@ -272,7 +277,8 @@ async def _store_command(args: argparse.Namespace) -> int:
              "decode_slots": getattr(args, "decode_slots", None)}
     settings = build_settings(flags, os.environ)
     if args.command == "stats":
-        return await store_cli.stats(settings.store, as_json=args.json)
+        return await store_cli.stats(settings.store, as_json=args.json,
+                                     fragile=_fragile(args.fragile_below, args.fragile_sample))
     if args.command == "inspect":
         return await store_cli.inspect(settings.store, args.key, as_json=args.json)
     if args.command == "purge":
@@ -285,6 +291,8 @@ async def _store_command(args: argparse.Namespace) -> int:
         return await _import(settings, args)
     if args.command == "explain":
         return await _explain(settings, args)
+    if args.command == "compare":
+        return await compare_run.run(settings, args)
     return await _verify(settings, args)
 
 
@@ -325,41 +333,35 @@ def _ask(what: str) -> bool:
     return input(f"{what}? type 'yes' to confirm: ").strip() == "yes"
 
 
-def _runner(settings: Settings) -> MlxRunner:
-    """The in-process runner the store commands replay or key with (not started)."""
-    from cacheproxy.runners.mlx import MlxOptions, MlxRunner
-
-    return MlxRunner(MlxOptions(model=settings.model_for(settings.served_model_id),
-                                model_id=settings.served_model_id,
-                                digest_memo=Path(settings.digest_memo),
-                                prefill_step=settings.prefill_step,
-                                prefix_cache_bytes=settings.prefix_cache_bytes,
-                                decode_slots=settings.decode_slots))
-
-
 async def _explain(settings: Settings, args: argparse.Namespace) -> int:
     from cacheproxy.cli import explain
+    from cacheproxy.cli.candidates import mlx_runner, started
 
-    runner = _runner(settings)
-    await runner.start()
-    try:
+    async with started(mlx_runner(settings, settings.model_for(settings.served_model_id))) \
+            as runner:
         return await explain.run(runner, settings, args.request, api=args.api,
                                  api_key=args.api_key, scan=args.scan, as_json=args.json)
-    finally:
-        await runner.aclose()
+
+
+def _fragile(below: float | None, sample: int | None) -> Any:
+    from cacheproxy.cli.store import Fragile
+
+    if below is not None and below <= 0:
+        raise ValueError(f"--fragile-below {below}: give a gap above 0")
+    if sample is not None and sample < 0:
+        raise ValueError(f"--fragile-sample {sample}: give 0 or more entries")
+    return Fragile.of(below, sample)
 
 
 async def _verify(settings: Settings, args: argparse.Namespace) -> int:
+    from cacheproxy.cli.candidates import mlx_runner, started
     from cacheproxy.cli.verify import print_report, verify
 
-    runner = _runner(settings)
-    await runner.start()
-    try:
+    async with started(mlx_runner(settings, settings.model_for(settings.served_model_id))) \
+            as runner:
         report = await verify(runner, settings.store, namespace=args.namespace,
                               sample=args.sample, cross_fingerprint=args.cross_fingerprint,
                               progress=not args.json)
-    finally:
-        await runner.aclose()
     print_report(report, as_json=args.json)
     return 0 if not report.mismatches else 1
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import random
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 from backends import listing
 from backends.base import Backend, NamespacePurge, PurgePause, StoreStats
 from cacheproxy.keys import codec
+from cacheproxy.keys.margin import FRAGILE_BELOW, from_provenance
 from cacheproxy.service.cassette import open_store
 from cacheproxy.service.namespaces import REGISTRY_KEY, Registry, cache_entries
 
@@ -21,9 +24,49 @@ def _when(ts: float | None) -> str:
     return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-async def stats(url: str, *, as_json: bool, out: TextIO | None = None) -> int:
-    """Entries and bytes per namespace, marking the current and the superseded ones."""
+@dataclass(frozen=True, slots=True)
+class Fragile:
+    """How `stats` counts fragile entries: a margin under `below`, over up to `sample` entries
+    of each namespace (read and decoded: a bounded cost on a large store)."""
+
+    below: float = FRAGILE_BELOW
+    sample: int = 1000
+
+    @classmethod
+    def of(cls, below: float | None, sample: int | None) -> Fragile:
+        """From the command's flags (None: the default)."""
+        default = cls()
+        return cls(default.below if below is None else below,
+                   default.sample if sample is None else sample)
+
+
+async def fragile_count(store: Backend, namespace: str, fragile: Fragile) -> dict[str, Any]:
+    """Of up to `fragile.sample` entries of a namespace: how many were read, how many have a
+    margin recorded, and how many of those are fragile."""
+    read = measured = count = 0
+    keys = await listing.sample(store, namespace + "/", fragile.sample, random.Random()) \
+        if fragile.sample else []
+    for key in keys:
+        data = await store.get(key)
+        try:
+            record = codec.decode(data) if data is not None else None
+        except codec.CorruptRecord:
+            record = None
+        if record is None:
+            continue
+        read += 1
+        if (margin := from_provenance(record.provenance)) is not None:
+            measured += 1
+            count += margin.fragile(fragile.below)
+    return {"below": fragile.below, "read": read, "with_margin": measured, "fragile": count}
+
+
+async def stats(url: str, *, as_json: bool, out: TextIO | None = None,
+                fragile: Fragile | None = None) -> int:
+    """Entries and bytes per namespace, marking the current and the superseded ones, and
+    how many of their entries are fragile (`Fragile`)."""
     out = out or sys.stdout  # (looked up per call: a default would be the import's)
+    fragile = fragile or Fragile()
     store = await open_store(url, replay=True)  # read only
     unreadable = ""
     try:
@@ -33,6 +76,8 @@ async def stats(url: str, *, as_json: bool, out: TextIO | None = None) -> int:
             reports, unreadable = [], str(exc)
         total = await store.stats() if isinstance(store, StoreStats) else None
         entries = await cache_entries(store, total.entries) if total else None
+        fragility = {r.namespace.digest: await fragile_count(store, r.namespace.digest, fragile)
+                     for r in reports}
     finally:
         await store.aclose()
     rows: list[dict[str, Any]] = [
@@ -41,7 +86,8 @@ async def stats(url: str, *, as_json: bool, out: TextIO | None = None) -> int:
              "replicas": r.replicas,
              "first_seen": r.namespace.first_seen, "last_seen": r.namespace.last_seen,
              "engine": f"mlx-lm {r.namespace.fields.get('engine_version')} / "
-                       f"mlx {r.namespace.fields.get('mlx_version')}"}
+                       f"mlx {r.namespace.fields.get('mlx_version')}",
+             "fragile": fragility[r.namespace.digest]}
         for r in reports]
     summary = {"store": url, "entries": entries, "keys": total.entries if total else None,
                "bytes": total.bytes if total else None,
@@ -61,16 +107,23 @@ async def stats(url: str, *, as_json: bool, out: TextIO | None = None) -> int:
         f"bound {summary['max_bytes']}"  # (Redis: its maxmemory, which it keeps to itself)
     print(f"store {url}: {entries} entries in {len(rows)} {spaces}, {summary['bytes']} bytes "
           f"({bound}); {summary['keys']} keys with the namespace registry", file=out)
-    print(f"{'namespace':34} {'state':11} {'replicas':>8} {'entries':>8} {'bytes':>10}  "
-          "model / engine / last seen", file=out)
+    print(f"{'namespace':34} {'state':11} {'replicas':>8} {'entries':>8} {'bytes':>10} "
+          f"{'fragile':>9}  model / engine / last seen", file=out)
     for r in rows:
         print(f"{r['namespace']:34} {r['state']:11} {r['replicas']:>8} {r['entries']:>8} "
-              f"{r['bytes']:>10}  {r['model_id']} / {r['engine']} / {_when(r['last_seen'])}",
-              file=out)
+              f"{r['bytes']:>10} {_fragile_cell(r['fragile']):>9}  {r['model_id']} / "
+              f"{r['engine']} / {_when(r['last_seen'])}", file=out)
+    print(f"fragile: entries whose smallest near-tie margin is below {fragile.below:g} (of "
+          f"those with a margin recorded, among up to {fragile.sample} read per namespace; "
+          "--fragile-below, --fragile-sample)", file=out)
     if unreadable:
         print(f"cacheproxy: error: {summary['registry_error']}", file=sys.stderr)
         return 1
     return 0
+
+
+def _fragile_cell(f: dict[str, Any]) -> str:
+    return "-" if not f["with_margin"] else f"{f['fragile']}/{f['with_margin']}"
 
 
 async def inspect(url: str, key: str, *, as_json: bool, out: TextIO | None = None) -> int:
@@ -113,6 +166,8 @@ async def inspect(url: str, key: str, *, as_json: bool, out: TextIO | None = Non
         print(f"reasoning    {o.reasoning!r}", file=out)
     for call in o.tool_calls:
         print(f"tool call    {call.index}: {call.name}({call.arguments})", file=out)
+    margin = from_provenance(p)
+    print(f"margin       {margin.describe() if margin else 'not recorded'}", file=out)
     return 0
 
 

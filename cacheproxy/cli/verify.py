@@ -9,17 +9,12 @@ that produced an entry the exact-match rate is 100 %. Across fingerprints
 from __future__ import annotations
 
 import json
-import random
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import TextIO
 
-from backends import listing
-from backends.base import Backend
-from cacheproxy.keys import codec
-from cacheproxy.keys.canonical import CanonicalRequest
+from cacheproxy.cli.replay import replay
 from cacheproxy.runners.base import Runner
-from cacheproxy.service.cassette import open_store
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +26,7 @@ class Mismatch:
     reason: str
     stored_text: str = ""
     replayed_text: str = ""
+    margin: float | None = None  # the stored answer's smallest near-tie gap (if recorded)
 
 
 @dataclass(slots=True)
@@ -50,86 +46,31 @@ class Report:
         return self.matched / self.checked if self.checked else 1.0
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token, or None when the sequences are equal."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def compare(key: str, stored: codec.Output, replayed: codec.Output) -> Mismatch | None:
-    """Tokens, text, reasoning, tool calls, finish reason and (when stored) logprobs must
-    all be identical."""
-    # Entries generated through mlx_lm.server carry no token ids: compare their text.
-    with_ids = bool(stored.token_ids) and bool(replayed.token_ids)
-    position = first_divergence(stored.token_ids, replayed.token_ids) if with_ids else None
-    if position is not None:
-        return Mismatch(key, position, "tokens differ", stored.text, replayed.text)
-    if stored.text != replayed.text:
-        return Mismatch(key, None, "text differs", stored.text, replayed.text)
-    if stored.reasoning != replayed.reasoning:
-        return Mismatch(key, None, "reasoning differs", stored.reasoning, replayed.reasoning)
-    if stored.tool_calls != replayed.tool_calls:
-        return Mismatch(key, None, "tool calls differ", repr(stored.tool_calls),
-                        repr(replayed.tool_calls))
-    if stored.finish_reason != replayed.finish_reason:
-        return Mismatch(key, None, "finish reason differs")
-    lp_a = [lp.logprob for c in stored.chunks for lp in c.logprobs]
-    lp_b = [lp.logprob for c in replayed.chunks for lp in c.logprobs]
-    if lp_a and lp_a != lp_b:
-        where = next(i for i, (x, y) in enumerate(zip(lp_a, lp_b, strict=False)) if x != y)
-        return Mismatch(key, where, "logprobs differ")
-    return None
-
-
 async def verify(
     runner: Runner, url: str, *, namespace: str | None, sample: int | None,
     cross_fingerprint: bool, progress: bool = True,
 ) -> Report:
-    """Replay entries of one namespace (default: the runner's) and compare."""
+    """Replay entries of one namespace (default: the runner's) and compare (`replay`'s
+    engine: verify is `compare` against the runner that serves now, logprobs included)."""
     current = runner.fingerprint().digest
     target = namespace or current
     if target != current and not cross_fingerprint:
         raise ValueError(
             f"namespace {target} was produced under another fingerprint than the runner's "
             f"({current}); pass --cross-fingerprint to compare across them")
-    store = await open_store(url, replay=True)  # read only
+    replayed = await replay(runner, url, namespace=target, sample=sample, logprobs=True,
+                            progress=progress, desc="verify")
     report = Report(current, target, runner.defaults().model_id)
-    try:
-        # A sample lists only the pages it takes its keys from (at 1M entries, listing
-        # them all costs ~1000 pages).
-        keys = await listing.keys(store, target + "/") if sample is None else \
-            await listing.sample(store, target + "/", sample, random.Random())
-        from tqdm import tqdm
-
-        for key in tqdm(keys, desc="verify", unit="entry", disable=not progress):
-            await _check(runner, store, key, report)
-    finally:
-        await store.aclose()
+    for result in replayed.results:
+        report.checked += 1
+        if result.difference is None:
+            report.matched += 1
+            continue
+        report.mismatches.append(Mismatch(
+            result.key, result.first_divergence, result.difference.reason,
+            result.stored_text, result.candidate_text,
+            None if result.margin is None else result.margin.smallest))
     return report
-
-
-async def _check(runner: Runner, store: Backend, key: str, report: Report) -> None:
-    data = await store.get(key)
-    if data is None:
-        return  # purged or expired meanwhile
-    report.checked += 1
-    try:
-        record = codec.decode(data)
-    except codec.CorruptRecord as exc:
-        report.mismatches.append(Mismatch(key, None, f"undecodable: {exc}"))
-        return
-    generation = runner.generate(CanonicalRequest.from_wire(record.request))
-    async for _ in generation.chunks():
-        pass
-    if generation.output is None:
-        raise RuntimeError("replay ended without output")
-    mismatch = compare(key, record.output, generation.output)
-    if mismatch is None:
-        report.matched += 1
-    else:
-        report.mismatches.append(mismatch)
 
 
 def print_report(report: Report, *, as_json: bool, out: TextIO | None = None) -> None:
@@ -145,6 +86,7 @@ def print_report(report: Report, *, as_json: bool, out: TextIO | None = None) ->
     for m in report.mismatches:
         where = "" if m.first_diverging_token is None else \
             f" at token {m.first_diverging_token}"
-        print(f"  MISMATCH {m.key}: {m.reason}{where}", file=out)
+        margin = "" if m.margin is None else f" (stored margin {m.margin:.4g})"
+        print(f"  MISMATCH {m.key}: {m.reason}{where}{margin}", file=out)
         if m.stored_text or m.replayed_text:
             print(f"    stored   {m.stored_text!r}\n    replayed {m.replayed_text!r}", file=out)

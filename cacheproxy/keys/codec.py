@@ -8,6 +8,8 @@ from typing import Any
 import msgpack
 import xxhash
 
+from cacheproxy.keys.margin import Margin
+
 MAGIC = b"CPR"
 RECORD_VERSION = 2  # 2: chunks carry reasoning and tool calls
 _HEADER = len(MAGIC) + 1 + 8
@@ -60,6 +62,9 @@ class Output:
     # The stop sequence that ended it ("": none did). Not part of `same_answer`: it follows
     # from the text and the request, and records stored before it was kept have none.
     stop: str = ""
+    # Measured by the in-process runner as it generates; kept in the record's provenance
+    # (a decoded record's output has none: `margin.from_provenance` reads it).
+    margin: Margin | None = None
 
     @property
     def text(self) -> str:

@@ -21,7 +21,7 @@ from cacheproxy.keys import fingerprint as fp
 from cacheproxy.keys.canonical import CanonicalRequest, RunnerDefaults
 from cacheproxy.keys.codec import Chunk, Output
 from cacheproxy.keys.digests import DigestMemo
-from cacheproxy.runners import decoding, prefix
+from cacheproxy.runners import decoding, margins, prefix
 from cacheproxy.runners.assembler import Assembler
 from cacheproxy.runners.base import Finished, Generation, Prefill, failure
 from cacheproxy.runners.chat import ChatPrompt, ChatSplit, chat_prompt, prompt_length
@@ -212,10 +212,12 @@ class MlxRunner:
     def _generate(self, request: CanonicalRequest, generation: Generation) -> Output:
         loaded = self._current()  # fixed for this generation: a reload waits for the lane
         prompt, assembler, max_tokens = self._checked(loaded, request, generation)
-        steps = self._steps(loaded, request, prompt, generation, max_tokens)
-        chunks, finish, count = self._decode(loaded.tokenizer, request, steps, assembler,
-                                             generation)
-        return Output(tuple(chunks), finish, len(prompt.ids), count, assembler.matched)
+        trail = margins.Trail()  # (left empty when margins are not measured: no margin)
+        steps = self._steps(loaded, request, prompt, generation, max_tokens, trail)
+        chunks, finish, count, decided = self._decode(loaded.tokenizer, request, steps,
+                                                      assembler, generation)
+        return Output(tuple(chunks), finish, len(prompt.ids), count, assembler.matched,
+                      trail.margin(decided))
 
     def _plan(self, request: CanonicalRequest, generation: Generation) -> Slot:
         """A generation's slot in the pinned batch (on the lane thread, as it is admitted)."""
@@ -226,7 +228,8 @@ class MlxRunner:
             generation=generation, ids=list(prompt.ids), assembler=assembler,
             processors=self._processors(loaded, request, prompt, decoding.processors(request),
                                         generation.reuse_scope),
-            max_tokens=max_tokens, step=self._options.prefill_step, prefixes=loaded.prefixes))
+            max_tokens=max_tokens, step=self._options.prefill_step, prefixes=loaded.prefixes,
+            measure_margins=self._options.measure_margins))
 
     def _processors(self, loaded: Loaded, request: CanonicalRequest, prompt: ChatPrompt,
                     processors: list[Any], scope: str) -> list[Any]:
@@ -240,7 +243,7 @@ class MlxRunner:
         return processors
 
     def _steps(self, loaded: Loaded, request: CanonicalRequest, prompt: ChatPrompt,
-               generation: Generation, max_tokens: int) -> Any:
+               generation: Generation, max_tokens: int, trail: margins.Trail) -> Any:
         import mlx.core as mx
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
@@ -258,17 +261,21 @@ class MlxRunner:
             processors = prefix.with_history(processors, ids[:held])
         generation.push(Prefill(reused, len(ids)))
         return generate_step(
-            mx.array(ids[held:]), loaded.model, max_tokens=max_tokens, sampler=sampler,
+            mx.array(ids[held:]), loaded.model, max_tokens=max_tokens,
+            sampler=margins.MeasuringSampler(sampler, trail)
+            if self._options.measure_margins else sampler,
             logits_processors=processors, prompt_cache=cache,
             prefill_step_size=self._options.prefill_step)
 
     def _decode(self, tokenizer: Any, request: CanonicalRequest, steps: Any,
-                assembler: Assembler, generation: Generation) -> tuple[list[Chunk], str, int]:
-        """Detokenize and assemble the generated tokens; (chunks, finish reason, count)."""
+                assembler: Assembler, generation: Generation
+                ) -> tuple[list[Chunk], str, int, int]:
+        """Detokenize and assemble the generated tokens; (chunks, finish reason, count,
+        decisions: the tokens taken, and the end-of-sequence one if it ended the answer)."""
         detok = tokenizer.detokenizer
         detok.reset()
         eos = tokenizer.eos_token_ids
-        finish, count, chunks = "length", 0, []
+        finish, count, chunks, ended_on_eos = "length", 0, [], 0
 
         def publish(chunk: Chunk | None) -> None:
             if chunk is not None:
@@ -281,7 +288,7 @@ class MlxRunner:
                 finish = "cancelled"
                 break
             if token in eos:
-                finish = "stop"
+                finish, ended_on_eos = "stop", 1
                 break
             count += 1
             detok.add_token(token)
@@ -295,7 +302,7 @@ class MlxRunner:
         publish(assembler.finish(detok.last_segment, eos=finish == "stop"))
         if finish == "stop" and any(c.tool_calls for c in chunks):
             finish = "tool_calls"
-        return chunks, finish, count
+        return chunks, finish, count, count + ended_on_eos
 
     async def aclose(self) -> None:
         """Stop accepting work and wait for the lane thread to finish.

@@ -41,6 +41,9 @@ class MlxOptions:
     # (its answers depend on the neighbours); no setting reaches it.
     unpinned_decode: bool = False
     note_queueing: bool = False  # log when misses queue behind a one-slot lane (serve does)
+    # Near-tie margins of every answer (`runners.margins`); off only for the benchmark that
+    # measures what they cost (loadtests/bench_margins.py): no setting reaches it.
+    measure_margins: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 from cacheproxy.keys.canonical import CanonicalRequest
 from cacheproxy.keys.codec import Chunk, Output
-from cacheproxy.runners import decoding, prefix
+from cacheproxy.runners import decoding, margins, prefix
 from cacheproxy.runners.assembler import Assembler
 from cacheproxy.runners.base import Finished, Generation, Prefill
 
@@ -36,6 +36,7 @@ class SlotPlan:
     max_tokens: int
     step: int  # the pinned prefill step
     prefixes: prefix.PrefixStore | None
+    measure_margins: bool = True
 
 
 class Slot:
@@ -50,6 +51,7 @@ class Slot:
         self.decoding = False  # its prefill is done: it takes a row in the decode steps
         self.next_input = plan.ids[-1]  # the token its row feeds the next decode step
         self._sampler = decoding.KeyedSampler(plan.request)
+        self._trail = margins.Trail()
         self._history = list(plan.ids)  # what the logits processors see (prompt + sampled)
         self._detok = plan.tokenizer.detokenizer  # a copy of its own (mlx-lm copies per use)
         self._detok.reset()
@@ -99,9 +101,10 @@ class Slot:
         """Whether it is over before its next decode step (cancelled, or nothing to make)."""
         return self._finish == "cancelled" or self.plan.max_tokens <= 0
 
-    def sample(self, logits: Any) -> tuple[Any, Any]:
-        """Its next token and the log-probabilities it was drawn from, from its (1, V) row
-        of a decode step's logits (lazy: the lane evaluates every row's at once)."""
+    def sample(self, logits: Any) -> tuple[Any, Any, Any]:
+        """Its next token, the log-probabilities it was drawn from and the decision's gap
+        (`margins`), from its (1, V) row of a decode step's logits (lazy: the lane evaluates
+        every row's at once)."""
         import mlx.core as mx
 
         if self.plan.processors:
@@ -109,14 +112,18 @@ class Slot:
             for processor in self.plan.processors:
                 logits = processor(history, logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return self._sampler(logprobs), logprobs.squeeze(0)
+        token = self._sampler(logprobs)
+        gap = margins.gap(logprobs, token) if self.plan.measure_margins else None
+        return token, logprobs.squeeze(0), gap
 
-    def take(self, token: int, logprobs: Any) -> bool:
+    def take(self, token: int, logprobs: Any, gap: Any | None) -> bool:
         """Add a sampled token (as the lone runner's decode loop does); True once it ended."""
         plan = self.plan
         if self.generation.cancelled:
             self._finish = "cancelled"
             return True
+        if gap is not None:
+            self._trail.add(gap)
         if token in self._eos:
             self._finish = "stop"
             return True
@@ -143,8 +150,10 @@ class Slot:
         finish = self._finish
         if finish == "stop" and any(c.tool_calls for c in self._chunks):
             finish = "tool_calls"
+        margin = self._trail.margin(self._trail.decisions)
         self.generation.push(Finished(Output(tuple(self._chunks), finish, len(self.plan.ids),
-                                             self._count, self.plan.assembler.matched)))
+                                             self._count, self.plan.assembler.matched,
+                                             margin)))
 
     def _publish(self, chunk: Chunk | None) -> None:
         if chunk is not None:

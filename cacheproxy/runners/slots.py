@@ -245,9 +245,9 @@ class SlotLane:
             return
         self._count_step(len(active))
         for slot in active:
-            token, logprobs = drawn[id(slot)]
+            token, logprobs, gap = drawn[id(slot)]
             try:
-                ended = slot.take(int(token.item()), logprobs)
+                ended = slot.take(int(token.item()), logprobs, gap)
             except Exception as exc:
                 self._fail([slot], exc)
                 continue

@@ -6,7 +6,9 @@ A memory store that is read from a JSON-lines file at start-up (the export forma
 recording whole), unless the server replays: then the file is only read. A line that does not
 verify stops the start-up, naming its line; with a record key, so does a line that is not
 signed with it, and every line written is signed. The namespace registry is rebuilt from the
-records' provenance; the file holds records only, sorted by key (diffs stay small).
+records' provenance; the file holds records only, sorted by key (diffs stay small), each in a
+machine-neutral form (`neutral`: two machines recording the same answers write the same
+provenance but for the time of recording).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class Cassette(MemoryBackend):
             for key in sorted(keys):
                 data = await self.get(key)
                 if key != REGISTRY_KEY and data is not None:
-                    lines.append(transcript.to_line(key, codec.decode(data),
+                    lines.append(transcript.to_line(key, neutral(codec.decode(data)),
                                                     secret=self._secret))
             await asyncio.to_thread(self._write, lines)
             return len(lines)
@@ -91,6 +93,31 @@ class Cassette(MemoryBackend):
         if not self._closed:
             await self.flush()
         await super().aclose()
+
+
+MACHINE_FIELDS = ("model_path",)  # fingerprint fields that name a place on one machine
+
+
+def _neutral_fields(fields: object) -> object:
+    if not isinstance(fields, dict):
+        return fields
+    neutral = dict(fields)
+    for name in (*MACHINE_FIELDS, "model_id"):
+        value = neutral.get(name)
+        if isinstance(value, str) and os.path.isabs(value):
+            neutral[name] = Path(value).name  # the directory's name, not where it is
+    return neutral
+
+
+def neutral(record: codec.Record) -> codec.Record:
+    """A record as a recording keeps it: nothing that differs between two machines recording
+    the same answer — model directories by name only (a model id that is a path too), no
+    generation time (the machine's speed). The digests that identify the files stay."""
+    provenance = {k: v for k, v in record.provenance.items() if k != "generation_ms"}
+    for name in ("fingerprint_fields", "imported_from_fields"):
+        if name in provenance:
+            provenance[name] = _neutral_fields(provenance[name])
+    return codec.Record(record.request, record.output, provenance)
 
 
 def _register(namespaces: dict[str, Namespace], key: str, record: codec.Record) -> None:

@@ -16,7 +16,8 @@ from cacheproxy import __version__
 from cacheproxy.errors import GenerationTimeout
 from cacheproxy.keys import codec
 from cacheproxy.keys.canonical import CanonicalRequest
-from cacheproxy.runners.base import Runner
+from cacheproxy.keys.fingerprint import Fingerprint
+from cacheproxy.runners.base import Prefill, Runner
 from cacheproxy.service.fleet import Fleet
 from cacheproxy.service.flights import Fill, Flight
 from cacheproxy.service.storage import StoreAccess
@@ -103,20 +104,30 @@ class Filler:
 
     def _record(self, request: CanonicalRequest, output: codec.Output, ms: float,
                 flight: Flight) -> codec.Record:
-        fp = self._runner.fingerprint()
-        provenance: dict[str, object] = {
-            "fingerprint": fp.digest,
-            "fingerprint_fields": fp.fields(),
-            "created_at": self._clock(),
-            "generation_ms": round(ms, 3),
-            "proxy_version": __version__,
-            "lane": f"{_batch(fp.decode_slots)}, cold prefill",
-        }
-        if (prefill := flight.prefill) is not None and prefill.reused:
-            # Bit-identical to cold: continued from a state saved at a multiple of the step.
-            provenance["lane"] = f"{_batch(fp.decode_slots)}, aligned prefill"
-            provenance["prefill"] = {"reused": prefill.reused, "total": prefill.total}
+        provenance = record_provenance(self._runner.fingerprint(), output,
+                                       created_at=self._clock(), generation_ms=ms,
+                                       prefill=flight.prefill)
         return codec.Record(request=request.wire(), output=output, provenance=provenance)
+
+
+def record_provenance(fp: Fingerprint, output: codec.Output, *, created_at: float,
+                      generation_ms: float, prefill: Prefill | None) -> dict[str, object]:
+    """The provenance of a generated answer (a fill's; a rewritten cassette's)."""
+    provenance: dict[str, object] = {
+        "fingerprint": fp.digest,
+        "fingerprint_fields": fp.fields(),
+        "created_at": created_at,
+        "generation_ms": round(generation_ms, 3),
+        "proxy_version": __version__,
+        "lane": f"{_batch(fp.decode_slots)}, cold prefill",
+    }
+    if prefill is not None and prefill.reused:
+        # Bit-identical to cold: continued from a state saved at a multiple of the step.
+        provenance["lane"] = f"{_batch(fp.decode_slots)}, aligned prefill"
+        provenance["prefill"] = {"reused": prefill.reused, "total": prefill.total}
+    if output.margin is not None:
+        provenance["margin"] = output.margin.wire()
+    return provenance
 
 
 def _batch(slots: int) -> str:

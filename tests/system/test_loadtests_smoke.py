@@ -32,6 +32,7 @@ SMOKES = {
     "coherence": (("--rounds", "2", "--baseline-rounds", "1"), "coherence.png",
                   "| tiered+redis, l1_ttl 3600 s | 2 |"),
     "bench_batching": (("--smoke",), "bench_batching.png", "| proxy S=4 | 4 |"),
+    "bench_margins": (("--smoke",), "bench_margins.png", "| demo | 2 |"),
 }
 
 

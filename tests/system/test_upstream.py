@@ -802,3 +802,47 @@ async def test_model_dir_change_refingerprints(
         assert (await proxy.health(session))["fingerprint"] != before
         assert (await _post(session, proxy.url + CHAT, body))[1] == "MISS"
     assert proxy.app[INVALIDATOR].counters["reloads"] == 1
+
+
+async def test_compare_replays_stored_entries_on_an_upstream(
+    upstreams: list[Upstream], model_dir: Path, make_proxy: Any, tmp_path: Path
+) -> None:
+    """`cacheproxy compare --to URL` (#33): entries the in-process runner stored, replayed on
+    a real mlx_lm.server serving the same files. Its answers carry no token ids: the report
+    says so, and compares text, calls and meaning."""
+    from tests.harness.cli import cacheproxy_blocking
+
+    store = f"disk://{tmp_path}/store"
+    proxy = await make_proxy(store=store)
+    bodies = [{"messages": [{"role": "user", "content": q}], "max_tokens": 40}
+              for q in ("Tell me about the cat.", "What does the owl eat?")]
+    bodies.append({"messages": [{"role": "user", "content": "What is the weather in Lima?"}],
+                   "max_tokens": 60, "tools": [{"type": "function", "function": {
+                       "name": "get_weather", "parameters": {
+                           "type": "object", "properties": {"city": {"type": "string"}}}}}]})
+    bodies.append({"messages": [{"role": "user", "content": "What does the fox eat?"}],
+                   "max_tokens": 40, "response_format": {"type": "json_object"}})
+    keys = []
+    async with aiohttp.ClientSession() as session:
+        for body in bodies:
+            async with session.post(proxy.url + CHAT, json=body) as resp:
+                assert resp.status == 200 and resp.headers["X-Cache"] == "MISS"
+                keys.append(resp.headers["X-Cache-Key"])
+    done = cacheproxy_blocking("compare", "--store", store, "--to", upstreams[0].url,
+                               "--to-model-dir", str(model_dir), "--json")
+    assert done.returncode == 0, done.stderr
+    report = orjson.loads(done.stdout)  # stdout holds the report only (logs: stderr)
+    assert "token ids" not in report["checks"] and "text" in report["checks"]
+    assert any(u.startswith("token ids") for u in report["unchecked"])
+    assert report["fingerprints"]["differ"]["engine"] == {"stored": "mlx-lm",
+                                                           "candidate": "mlx_lm.server"}
+    entries = {e["key"]: e for e in report["entries"]}
+    # The same files and runtime, one request at a time: the same answers, by text and call.
+    for key in keys[:3]:
+        assert entries[key]["exact"] and entries[key]["first_divergence"] is None, key
+    assert entries[keys[2]]["compared_by"] == "tool_calls"
+    # The JSON answer is not replayed: mlx_lm.server would ignore the format.
+    json_entry = entries[keys[3]]
+    assert json_entry["difference"].startswith("not replayed: the candidate cannot constrain")
+    assert not json_entry["exact"] and not json_entry["parsed_equal"]
+    assert report["exact_match_rate"] == report["parsed_match_rate"] == 0.75
