@@ -224,7 +224,9 @@ async def test_a_get_route_answers_head_with_its_head_and_no_body(
             async with session.head(proxy.url + path) as head:
                 assert head.status == status
                 assert head.content_type == got.content_type
-                assert int(head.headers["Content-Length"]) == len(body)
+                # (/health carries the time: its float's digits may differ by one or two)
+                slack = 3 if path == "/health" else 0
+                assert abs(int(head.headers["Content-Length"]) - len(body)) <= slack
                 assert await head.read() == b""
         # Control: a POST-only route does not answer HEAD.
         async with session.head(proxy.url + "/v1/messages") as head:
