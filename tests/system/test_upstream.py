@@ -613,15 +613,16 @@ async def test_only_streaming_readers_make_a_fill_read_live(
     runner = proxy.app[PROXY].runner
     generate, lives = runner.generate, []
 
-    def spy(request: Any) -> Any:  # the real runner; whether each generation is live
-        generation = generate(request)  # by the time the upstream is asked (not known yet)
+    def spy(request: Any, **kw: Any) -> Any:  # the real runner; whether each generation is
+        generation = generate(request, **kw)  # live when the upstream is asked (not known yet)
         asyncio.get_running_loop().call_soon(lambda: lives.append(generation.live.on))
         return generation
 
     runner.generate = spy
     async with aiohttp.ClientSession() as session:
-        await _post(session, proxy.url + CHAT, _chat("Whole?"))
-        await _stream(session, proxy.url + CHAT, _chat("Streamed?"))
+        whole = await _post(session, proxy.url + CHAT, _chat("Whole?"))
+        streamed = await _stream(session, proxy.url + CHAT, _chat("Streamed?"))
+    assert (whole[0], streamed[0]) == (200, 200)
     assert lives == [False, True]
 
 
