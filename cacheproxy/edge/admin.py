@@ -106,8 +106,10 @@ async def explain(request: web.Request) -> web.Response:
             raise InvalidRequest(f"{EXPLAIN_KEY} is no configured API key", param=EXPLAIN_KEY)
         scope = identity_of(tenant.encode())
     proxy = request.app[ROUTER].route(raw, scope)
-    parsed = proxy.memos.parser.parse(raw, cast(Route, api), proxy.runner.defaults(),
-                                      proxy.options.sampling, scope)
+    # As a request's own parse: a schema-laden body is checked off the loop, within budget.
+    parsed = await proxy.memos.parser.parse_off_loop(raw, cast(Route, api),
+                                                     proxy.runner.defaults(),
+                                                     proxy.options.sampling, scope)
     found = await explain_request(proxy.store, parsed.request,
                                   proxy.runner.fingerprint().digest, scope=scope)
     return json_response(report(found))
