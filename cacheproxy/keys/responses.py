@@ -8,7 +8,8 @@ the two share one cache entry. What the translation does:
 - `input` items: a `message` (text parts `input_text` / `output_text`) -> a turn of its role;
   a `function_call` -> a tool call of the assistant turn it follows (or a new one); a
   `function_call_output` -> a tool turn answering its `call_id`; a `reasoning` item -> the
-  reasoning of the next assistant turn;
+  reasoning of the next assistant turn; every other key of an item or part is passed (`id`,
+  `status`... as clients echo output items back) or refused by its path (`responses_items`);
 - `tools` (function tools, and the functions of `namespace` tools: `responses_tools`),
   `tool_choice`, `parallel_tool_calls`, `max_output_tokens`,
   `temperature`, `top_p` -> their chat forms; `reasoning.effort` -> `reasoning_effort` (which
@@ -31,7 +32,7 @@ from typing import Any
 import orjson
 
 from cacheproxy.errors import InvalidRequest, Unsupported
-from cacheproxy.keys import fields, responses_fields, responses_tools
+from cacheproxy.keys import fields, responses_fields, responses_items, responses_tools
 from cacheproxy.keys.canonical import Parsed, RunnerDefaults, parse
 from policies.sampling import SamplingMode
 
@@ -113,6 +114,8 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise InvalidRequest(f"'{where}' must be an object", param=where)
         kind = item.get("type", "message")
+        if kind in responses_items.ITEM_KEYS:
+            responses_items.check(item, kind, where)
         if kind == "reasoning":
             thought += _reasoning_text(item, where)
             continue
@@ -141,15 +144,7 @@ def _message(item: Mapping[str, Any], where: str) -> dict[str, Any]:
                              param=f"{where}.role")
     content = item.get("content")
     if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("input_text", "output_text", "text") or \
-                    not isinstance(part.get("text"), str):
-                raise Unsupported(f"'{where}.content[{j}]' must be a text part",
-                                  param=f"{where}.content")
-            texts.append(part["text"])
-        content = "".join(texts)
+        content = responses_items.texts(content, f"{where}.content")
     if not isinstance(content, str):
         raise InvalidRequest(f"'{where}.content' must be a string or a list of text parts",
                              param=f"{where}.content")
@@ -176,7 +171,7 @@ def _output(item: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise InvalidRequest(f"'{where}.call_id' must be a non-empty string",
                              param=f"{where}.call_id")
     if isinstance(output, list):
-        output = _message({"role": "user", "content": output}, where)["content"]
+        output = responses_items.texts(output, f"{where}.output")
     if not isinstance(output, str):
         raise InvalidRequest(f"'{where}.output' must be a string", param=f"{where}.output")
     return {"role": "tool", "tool_call_id": call_id, "content": output}
@@ -184,18 +179,10 @@ def _output(item: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 def _reasoning_text(item: Mapping[str, Any], where: str) -> str:
     """The thought of a reasoning item: sealed (as this server wrote it), or as text."""
+    given = responses_items.thought(item, where)
     if item.get("encrypted_content") is not None:
         return responses_tools.unseal(item["encrypted_content"], f"{where}.encrypted_content")
-    parts = item.get("content") or item.get("summary") or []
-    if not isinstance(parts, list):
-        raise InvalidRequest(f"'{where}.content' must be a list", param=f"{where}.content")
-    return "".join(p.get("text", "") for p in parts if isinstance(p, dict))
-
-
-
-
-
-
+    return given
 
 
 def parse_responses(body: object, defaults: RunnerDefaults, mode: SamplingMode, *,
