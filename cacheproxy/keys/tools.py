@@ -1,5 +1,9 @@
 """Tools, tool_choice, parallel_tool_calls and chat_template_kwargs: validated, canonical.
 
+A function tool's keys are openai's (`type`, `function`: `name`, `description`, `parameters`,
+`strict`; a legacy `functions` entry: the first three), each applied; any other is a 400
+naming its path (`tools[i].key`, `tools[i].function.key`), never dropped.
+
 Canonical JSON: keyword order inside JSON objects carries no meaning and is sorted, and
 whitespace is gone, except where order is meaning: the order of a schema's `properties`
 (the order of the output), of `enum` values and of every list is kept, and so is the key
@@ -34,6 +38,12 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
     "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
     "tokenizer_kwargs"})
+# The keys of openai's ChatCompletionFunctionToolParam, FunctionDefinition and the legacy
+# `functions` entry (completion_create_params.Function): each applied; any other is a 400.
+# (LangChain, instructor, llm and litellm send these and no others.)
+TOOL_KEYS = frozenset({"type", "function"})
+FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
+LEGACY_KEYS = frozenset({"name", "description", "parameters"})
 # reasoning_effort (chat) / reasoning.effort (Responses): whether the template thinks at all.
 EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True,
            "xhigh": True}
@@ -127,9 +137,10 @@ class Tool:
         return {"type": "function", "function": function}
 
 
-def _function(raw: object, where: str) -> Tool:
+def _function(raw: object, where: str, keys: frozenset[str] = FUNCTION_KEYS) -> Tool:
     if not isinstance(raw, dict):
         raise InvalidRequest(f"'{where}' must be an object", param=where)
+    _known(raw, keys, where)
     name = raw.get("name")
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise InvalidRequest(f"'{where}.name' must be 1 to 64 letters, digits, '_' or '-'",
@@ -159,7 +170,8 @@ def tools(body: Mapping[str, Any]) -> tuple[tuple[Tool, ...], bool]:
     if legacy is not None:
         if not isinstance(legacy, list):
             raise InvalidRequest("'functions' must be a list", param="functions")
-        out = tuple(_function(f, f"functions[{i}]") for i, f in enumerate(legacy))
+        out = tuple(_function(f, f"functions[{i}]", LEGACY_KEYS)
+                    for i, f in enumerate(legacy))
         return _unique(out, "functions"), True
     if raw is None:
         return (), False
@@ -173,8 +185,17 @@ def tools(body: Mapping[str, Any]) -> tuple[tuple[Tool, ...], bool]:
         if tool.get("type", "function") != "function":
             raise Unsupported(f"'{where}.type' {tool.get('type')!r}: only function tools are "
                               "supported", param=f"{where}.type")
+        _known(tool, TOOL_KEYS, where)
         found.append(_function(tool.get("function"), f"{where}.function"))
     return _unique(tuple(found), "tools"), False
+
+
+def _known(spec: Mapping[str, Any], keys: frozenset[str], where: str) -> None:
+    for name in spec:
+        if name not in keys:
+            raise Unsupported(f"'{where}.{name}' is not a key of a function tool this server "
+                              "knows: it is refused rather than ignored",
+                              param=f"{where}.{name}")
 
 
 def _unique(found: tuple[Tool, ...], where: str) -> tuple[Tool, ...]:

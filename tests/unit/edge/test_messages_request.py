@@ -146,6 +146,8 @@ def test_max_tokens_is_required_and_capped_and_sampling_is_passed_on() -> None:
     ({"temperature": 1.5}, "temperature"),
     ({"tool_choice": {"type": "any"}}, "tool_choice"),
     ({"tools": [{"name": "get weather", "input_schema": SCHEMA}]}, "tools[0].name"),
+    ({"tools": [{"name": "f", "input_schema": SCHEMA, "parameters": SCHEMA}]},
+     "tools[0].parameters"),  # a key of no Anthropic tool: refused, not ignored
     ({"messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_9", "content": "x"}]}]},
      "messages[0].content[0].tool_use_id"),
@@ -154,3 +156,15 @@ def test_what_cannot_be_honoured_is_refused_by_name(body: dict[str, Any], param:
     with pytest.raises(InvalidRequest) as refused:
         messages(**body)
     assert refused.value.param == param and param.split(".")[0] in refused.value.message
+
+
+def test_a_tool_s_keys_are_the_sdk_s() -> None:
+    # Each key of anthropic's ToolParam has its decision in _tool (applied, moot or refused);
+    # an SDK that defines a new one fails here. (A Messages tool is checked before it becomes
+    # a chat tool: the chat tool's own key check never sees a key it did not put there.)
+    from anthropic.types import tool_param
+
+    from cacheproxy.edge.apis.messages import request
+
+    typed, known = tool_param.ToolParam, request._TOOL_KEYS
+    assert known == typed.__required_keys__ | typed.__optional_keys__
