@@ -19,6 +19,8 @@ import xxhash
 from cacheproxy.edge.render import Frame, call_id
 from cacheproxy.errors import ProxyError
 from cacheproxy.keys.codec import Chunk, Output, ToolCallOut
+from cacheproxy.keys.paths import renamed
+from cacheproxy.keys.responses import PATHS
 from cacheproxy.keys.responses_tools import seal
 
 
@@ -177,7 +179,8 @@ class ResponsesStream:
     done = b""  # nothing after the last event (chat streams end with `data: [DONE]`)
 
     def error(self, error: ProxyError) -> bytes:
-        """A failure after the stream began: an `error` event."""
+        """A failure after the stream began: an `error` event (naming Responses' path)."""
+        error = renamed(error, PATHS)
         return self._emit("error", code=error.code, message=error.message, param=error.param)
 
     def end(self, output: Output) -> bytes:
@@ -256,3 +259,8 @@ def whole_stream(frame: Frame, output: Output) -> bytes:
     stream = ResponsesStream(frame)
     return stream.start() + b"".join(stream.chunk(c) for c in output.chunks) + \
         stream.end(output)
+
+
+def error_body(error: ProxyError) -> dict[str, object]:
+    """OpenAI's error object, naming the Responses path of a field chat's checks named."""
+    return renamed(error, PATHS).body()

@@ -20,7 +20,10 @@ the two share one cache entry. What the translation does:
   `store: true`, `background: true` and item references are refused); `client_metadata`
   (Codex sends its session, turn and installation ids) and `prompt_cache_key` describe the
   caller, not the question: passed, never keyed; `include` is honoured
-  (`responses_tools.includes`).
+  (`responses_tools.includes`);
+- an error a check of the chat request raises names the field as this request does
+  (`max_output_tokens`, `text.format.schema`, `tools[i].parameters`, `input[i].arguments`:
+  `PATHS` and the origins `translation` records; `keys.paths`).
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from typing import Any
 
 import orjson
 
-from cacheproxy.errors import InvalidRequest, Unsupported
+from cacheproxy.errors import InvalidRequest, ProxyError, Unsupported
 from cacheproxy.keys import fields, responses_fields, responses_items, responses_tools
 from cacheproxy.keys.canonical import Parsed, RunnerDefaults, parse
+from cacheproxy.keys.paths import Origin, Paths, renamed
 from policies.sampling import SamplingMode
 
 
@@ -56,11 +60,31 @@ class Echo:
     namespaces: Mapping[str, str]  # function name -> the namespace tool it came from
 
 
+# Where the chat request's fields came from, for an error a chat check raises (its tools,
+# turns and calls: `translation`); alone, for one raised while generating.
+PATHS = Paths(prefixes=(("max_tokens", "max_output_tokens"),
+                        ("response_format.json_schema", "text.format"),
+                        ("response_format", "text.format"),
+                        ("reasoning_effort", "reasoning.effort"), ("messages", "input")))
+_TOOL = ((".function", ""),)  # tools[i].function.parameters -> tools[k].parameters
+_CALL = ((".function", ""), (".id", ".call_id"))
+_OUTPUT = ((".tool_call_id", ".call_id"), (".content", ".output"))
+
+
 def translate(body: Mapping[str, Any]) -> tuple[dict[str, Any], Echo]:
     """The chat body of a Responses request, and what the response echoes."""
+    chat, echo, _ = translation(body)
+    return chat, echo
+
+
+def translation(body: Mapping[str, Any]) -> tuple[dict[str, Any], Echo, Paths]:
+    """The chat body of a Responses request, what the response echoes, and where each chat
+    field came from in the request."""
     responses_fields.check(body)
     included = responses_tools.includes(body)
-    chat: dict[str, Any] = {"messages": _messages(body)}
+    turns: list[Origin] = []
+    calls: dict[tuple[int, int], Origin] = {}
+    chat: dict[str, Any] = {"messages": _messages(body, turns, calls)}
     for name in ("model", "stream", "temperature", "top_p", "parallel_tool_calls",
                  "chat_template_kwargs"):
         if body.get(name) is not None:
@@ -78,6 +102,7 @@ def translate(body: Mapping[str, Any]) -> tuple[dict[str, Any], Echo]:
     text_format = responses_fields.text_format(body)
     if text_format["type"] != "text":
         chat["response_format"] = _response_format(text_format)
+    paths = replace(PATHS, tools=_tool_origins(body), messages=turns, calls=calls)
     return chat, Echo(
         instructions=body.get("instructions"), metadata=fields.obj(body, "metadata"),
         tools=tuple(body.get("tools") or ()), tool_choice=body.get("tool_choice", "auto"),
@@ -85,7 +110,18 @@ def translate(body: Mapping[str, Any]) -> tuple[dict[str, Any], Echo]:
         temperature=body.get("temperature"), top_p=body.get("top_p"),
         max_output_tokens=body.get("max_output_tokens"), text_format=text_format,
         reasoning={"effort": effort, "summary": summary}, summary=summarized,
-        encrypted=responses_tools.ENCRYPTED_REASONING in included, namespaces=namespaces)
+        encrypted=responses_tools.ENCRYPTED_REASONING in included, namespaces=namespaces), paths
+
+
+def _tool_origins(body: Mapping[str, Any]) -> list[Origin]:
+    """The path of each chat tool's function (a function tool, or one of a namespace's)."""
+    out = []
+    for i, tool in enumerate(body.get("tools") or ()):
+        if tool.get("type") == "namespace":
+            out += [Origin(f"tools[{i}].tools[{j}]", _TOOL) for j in range(len(tool["tools"]))]
+        else:
+            out.append(Origin(f"tools[{i}]", _TOOL))
+    return out
 
 
 def _response_format(form: Mapping[str, Any]) -> dict[str, Any]:
@@ -95,15 +131,20 @@ def _response_format(form: Mapping[str, Any]) -> dict[str, Any]:
         k: form[k] for k in ("name", "schema", "strict", "description") if k in form}}
 
 
-def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _messages(body: Mapping[str, Any], turns: list[Origin],
+              calls: dict[tuple[int, int], Origin]) -> list[dict[str, Any]]:
+    """The chat turns of `instructions` and `input`; where each turn (`turns`) and each
+    call of an assistant turn (`calls`) came from."""
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise InvalidRequest("'instructions' must be a string", param="instructions")
         messages.append({"role": "system", "content": instructions})
+        turns.append(Origin("instructions", ((".content", ""),)))
     raw = body.get("input")
     if isinstance(raw, str):
+        turns.append(Origin("input", ((".content", ""),)))
         return [*messages, {"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
         raise InvalidRequest("'input' must be a string or a non-empty list of items",
@@ -121,10 +162,15 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
             continue
         if kind == "message":
             messages.append(_message(item, where))
+            turns.append(Origin(where))
         elif kind == "function_call":
             _add_call(messages, item, where)
+            if len(turns) < len(messages):
+                turns.append(Origin(where))
+            calls[len(messages) - 1, len(messages[-1]["tool_calls"]) - 1] = Origin(where, _CALL)
         elif kind == "function_call_output":
             messages.append(_output(item, where))
+            turns.append(Origin(where, _OUTPUT))
         else:
             raise Unsupported(f"'{where}.type' {kind!r} is not supported (items: message, "
                               "function_call, function_call_output, reasoning)",
@@ -192,8 +238,11 @@ def parse_responses(body: object, defaults: RunnerDefaults, mode: SamplingMode, 
     key the same answer alike; the delivery says which API renders it."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    chat, echo = translate(body)
-    parsed = parse(chat, "chat", defaults, mode, max_tokens_cap=max_tokens_cap,
-                   max_answer_tokens=max_answer_tokens)
+    chat, echo, paths = translation(body)
+    try:
+        parsed = parse(chat, "chat", defaults, mode, max_tokens_cap=max_tokens_cap,
+                       max_answer_tokens=max_answer_tokens)
+    except ProxyError as error:  # a chat check: named as this request names the field
+        raise renamed(error, paths) from None
     return replace(parsed, delivery=replace(parsed.delivery, api="responses",
                                             echo=orjson.dumps(asdict(echo))))

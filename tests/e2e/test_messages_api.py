@@ -221,7 +221,11 @@ async def test_errors_are_the_sdks_exceptions_in_anthropics_shape(make_proxy: Pr
         with pytest.raises(anthropic.BadRequestError) as hosted:
             await sdk.messages.create(model=MODEL, max_tokens=8, messages=FOX, tools=[
                 {"type": "web_search_20250305", "name": "web_search"}])
+        with pytest.raises(anthropic.BadRequestError) as schema:  # a chat check, named as here
+            await sdk.messages.create(model=MODEL, max_tokens=8, messages=FOX, output_config={
+                "format": {"type": "json_schema", "schema": {"type": "object", "properties": 3}}})
         fine = await sdk.messages.create(model=MODEL, max_tokens=8, messages=FOX)
+    assert "'output_config.format.schema'" in schema.value.message
     assert missing.value.body == {"type": "error", "error": {
         "type": "not_found_error", "message": "The model 'no-such-model' does not exist"}}
     assert unknown.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]

@@ -141,6 +141,23 @@ async def test_state_and_hosted_tools_are_refused_not_dropped(
     assert body["code"] == "unsupported_parameter"
 
 
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"max_output_tokens": 1 << 40}, "max_output_tokens"),
+    ({"text": {"format": {"type": "json_schema", "name": "n",
+                          "schema": {"type": "object", "properties": 3}}}}, "text.format.schema"),
+    ({"tools": [{**FLAT_WEATHER, "parameters": {"type": "string"}}]}, "tools[0].parameters"),
+])
+async def test_a_chat_check_names_the_responses_path(
+    make_proxy: ProxyFactory, extra: dict[str, Any], param: str
+) -> None:
+    # The request is checked as its chat translation; its error names the Responses field.
+    proxy = await make_proxy()
+    with pytest.raises(openai.BadRequestError) as info:
+        await proxy.client.responses.create(model=MODEL, **{"input": "Hi", **extra})
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == param and f"{param}" in body["message"]
+
+
 async def test_an_openai_agents_agent_runs_a_tool_turn_and_its_rerun_is_cached(
     make_proxy: ProxyFactory
 ) -> None:

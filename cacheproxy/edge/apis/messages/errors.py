@@ -3,7 +3,9 @@ its type named by the status as Anthropic names them (the SDK raises by status).
 
 from __future__ import annotations
 
+from cacheproxy.edge.apis.messages.request import PATHS
 from cacheproxy.errors import ProxyError
+from cacheproxy.keys.paths import renamed
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -11,7 +13,9 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 
 
 def error_body(error: ProxyError) -> dict[str, object]:
-    """The error as Anthropic shapes it (the message names the field, as ours all do)."""
+    """The error as Anthropic shapes it (the message names the field, as ours all do, by
+    its Messages path)."""
+    error = renamed(error, PATHS)
     kind = _TYPES.get(error.status, "invalid_request_error" if error.status < 500
                       else "api_error")
     return {"type": "error", "error": {"type": kind, "message": error.message}}

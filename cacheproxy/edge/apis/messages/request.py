@@ -26,9 +26,10 @@ import orjson
 
 from cacheproxy.edge.apis.messages.context import edited
 from cacheproxy.edge.apis.messages.turns import turns, unknown
-from cacheproxy.errors import InvalidRequest, Unsupported
+from cacheproxy.errors import InvalidRequest, ProxyError, Unsupported
 from cacheproxy.keys import fields
 from cacheproxy.keys.canonical import Parsed, RunnerDefaults, parse
+from cacheproxy.keys.paths import Origin, Paths, renamed
 from cacheproxy.keys.tools import NAME, check_schema
 from policies.sampling import SamplingMode
 
@@ -52,6 +53,26 @@ _EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", 
 _TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "strict",
                         "cache_control", "eager_input_streaming", "input_examples",
                         "defer_loading", "allowed_callers"})
+
+# Where the chat request's fields came from, for an error a chat check raises (with its tools:
+# `_paths`); alone, for one raised while generating. (Its turns are not mapped: a chat turn's
+# index is not a Messages turn's.)
+PATHS = Paths(prefixes=(("response_format.json_schema", "output_config.format"),
+                        ("response_format", "output_config.format"),
+                        ("stop", "stop_sequences"), ("reasoning_effort", "output_config.effort"),
+                        ("parallel_tool_calls", "tool_choice.disable_parallel_tool_use")))
+_TOOL = ((".function.parameters", ".input_schema"), (".function", ""))
+
+
+def _paths(body: Mapping[str, Any]) -> Paths:
+    """PATHS, with each chat tool's Messages tool (a deferred one is not a chat tool) and the
+    spelling of the format the request used."""
+    shown = [Origin(f"tools[{i}]", _TOOL) for i, tool in enumerate(body.get("tools") or ())
+             if not tool.get("defer_loading")]
+    if body.get("output_format") is None:
+        return replace(PATHS, tools=shown)
+    form = (("response_format.json_schema", "output_format"), ("response_format", "output_format"))
+    return replace(PATHS, prefixes=(*form, *PATHS.prefixes[2:]), tools=shown)
 
 
 def _fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
@@ -230,7 +251,10 @@ def parse_messages(body: object, defaults: RunnerDefaults, mode: SamplingMode, *
         raise InvalidRequest("the request body must be a JSON object")
     cap = min(defaults.max_tokens_cap, defaults.context_length, max_tokens_cap or 2**31)
     chat, omitted = translate(body, cap, counting=counting)
-    parsed = parse(chat, "chat", defaults, mode, max_tokens_cap=max_tokens_cap,
-                   max_answer_tokens=max_answer_tokens)
+    try:
+        parsed = parse(chat, "chat", defaults, mode, max_tokens_cap=max_tokens_cap,
+                       max_answer_tokens=max_answer_tokens)
+    except ProxyError as error:  # a chat check: named as this request names the field
+        raise renamed(error, _paths(body)) from None
     echo = orjson.dumps({"omit_thinking": True}) if omitted else b""
     return replace(parsed, delivery=replace(parsed.delivery, api="messages", echo=echo))
