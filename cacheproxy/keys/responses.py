@@ -14,7 +14,7 @@ the two share one cache entry. What the translation does:
   `tool_choice`, `parallel_tool_calls`, `max_output_tokens`,
   `temperature`, `top_p` -> their chat forms; `reasoning.effort` -> `reasoning_effort` (which
   reaches the template as `reasoning_effort`, and as `enable_thinking`: off for "none" and
-  "minimal", on for any other effort);
+  "minimal", on for any other effort; "max" is "xhigh", the most a template can be asked);
 - every other field is passed, moot or refused (400) by name, never dropped
   (`responses_fields`): this server keeps no state (`previous_response_id`, `conversation`,
   `store: true`, `background: true` and item references are refused); `client_metadata`

@@ -47,6 +47,19 @@ LEGACY_KEYS = frozenset({"name", "description", "parameters"})
 # reasoning_effort (chat) / reasoning.effort (Responses): whether the template thinks at all.
 EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True,
            "xhigh": True}
+# openai's "max" (its ReasoningEffort has it) is the most a template can be asked: "xhigh", as
+# Anthropic's `max` is (Messages). One key and one prompt for the two spellings.
+EFFORT_ALIASES = {"max": "xhigh"}
+
+
+def effort(value: object, param: str) -> str:
+    """A reasoning effort as the template is asked it ("max" is "xhigh"); 400 naming `param`
+    and the efforts there are for any other."""
+    if not isinstance(value, str) or value not in EFFORTS | EFFORT_ALIASES:
+        known = [*EFFORTS, *EFFORT_ALIASES]
+        raise InvalidRequest(f"'{param}' must be one of {known} (max is xhigh: the most a "
+                             "template can be asked)", param=param)
+    return EFFORT_ALIASES.get(value, value)
 
 
 def number(value: Any) -> Any:
@@ -260,15 +273,12 @@ def template_kwargs(body: Mapping[str, Any], defaults: Mapping[str, Any],
             raise InvalidRequest(f"'chat_template_kwargs.enable_thinking' and '{thinking}' "
                                  f"disagree (this template calls it {thinking})",
                                  param="chat_template_kwargs")
-    effort = body.get("reasoning_effort")
-    if effort is not None:
+    if body.get("reasoning_effort") is not None:
         # Both spellings reach the template: the switch for templates that turn thinking
         # on and off, reasoning_effort for those that read the level.
-        if effort not in EFFORTS:
-            raise InvalidRequest(f"'reasoning_effort' must be one of {sorted(EFFORTS)}",
-                                 param="reasoning_effort")
-        if given.get(thinking, EFFORTS[effort]) != EFFORTS[effort]:
+        level = effort(body["reasoning_effort"], "reasoning_effort")
+        if given.get(thinking, EFFORTS[level]) != EFFORTS[level]:
             raise InvalidRequest(f"'reasoning_effort' and chat_template_kwargs.{thinking} "
                                  "disagree", param="reasoning_effort")
-        given |= {thinking: EFFORTS[effort], "reasoning_effort": effort}
+        given |= {thinking: EFFORTS[level], "reasoning_effort": level}
     return dumps(data({**defaults, **given}))

@@ -226,3 +226,23 @@ def test_a_field_of_the_wrong_type_is_a_400_naming_it(extra: dict[str, Any], par
     with pytest.raises(InvalidRequest) as refused:
         translate({**ASK, **extra})
     assert refused.value.param == param
+
+
+def test_effort_max_is_xhigh_in_both_apis() -> None:
+    # openai's ReasoningEffort has "max": the most a template can be asked, "xhigh" (as the
+    # Messages API's `max` is); one key for the two spellings, the request's echoed as asked.
+    chat, echo = translate({**ASK, "reasoning": {"effort": "max"}})
+    assert key(chat) == chat_key({**ASK, "reasoning": {"effort": "xhigh"}})
+    assert echo.reasoning["effort"] == "max"
+    chat_max = {"messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": "max"}
+    assert key(chat_max) == key(chat) == key({**chat_max, "reasoning_effort": "xhigh"})
+    # The control: another level is another key.
+    assert chat_key({**ASK, "reasoning": {"effort": "high"}}) != key(chat)
+
+
+@pytest.mark.parametrize("effort", ["maximum", "MAX", ""])
+def test_an_effort_there_is_not_is_a_400_listing_those_there_are(effort: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        translate({**ASK, "reasoning": {"effort": effort}})
+    assert refused.value.param == "reasoning.effort"
+    assert all(level in refused.value.message for level in ("minimal", "xhigh", "max"))
