@@ -155,7 +155,7 @@ def _messages(body: Mapping[str, Any], turns: list[Origin],
         if not isinstance(item, dict):
             raise InvalidRequest(f"'{where}' must be an object", param=where)
         kind = item.get("type", "message")
-        if kind in responses_items.ITEM_KEYS:
+        if isinstance(kind, str) and kind in responses_items.ITEM_KEYS:
             responses_items.check(item, kind, where)
         if kind == "reasoning":
             thought += _reasoning_text(item, where)

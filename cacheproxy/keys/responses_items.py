@@ -77,7 +77,7 @@ def texts(parts: object, where: str) -> str:
     for j, part in enumerate(parts):
         at = f"{where}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
-        if not isinstance(part, dict) or kind not in PART_KEYS:
+        if not isinstance(part, dict) or not isinstance(kind, str) or kind not in PART_KEYS:
             raise Unsupported(f"'{at}' must be a text part (input_text or output_text); "
                               f"{kind!r} parts are not supported", param=f"{at}.type")
         _known(part, PART_KEYS[kind], at)
@@ -107,7 +107,7 @@ def _thought(item: Mapping[str, Any], name: str, where: str) -> str:
     for j, part in enumerate(parts):
         at = f"{where}.{name}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
-        if not isinstance(part, dict) or kind not in keys:
+        if not isinstance(part, dict) or not isinstance(kind, str) or kind not in keys:
             raise InvalidRequest(f"'{at}.type' must be {next(iter(keys))}",
                                  param=f"{at}.type")
         _known(part, keys[kind], at)

@@ -172,6 +172,7 @@ def test_a_function_output_s_parts_are_checked_by_their_path() -> None:
      "input[1].content[0].type"),
     ({"type": "input_file", "file_id": "f"}, "input[1].content[0].type"),
     ("Say hello.", "input[1].content[0].type"),
+    ({"type": ["input_text"], "text": "x"}, "input[1].content[0].type"),  # a 400, not a 500
 ])
 def test_a_part_that_is_not_text_is_refused_by_its_type(part: Any, param: str) -> None:
     history = copy.deepcopy(CODEX)
@@ -188,6 +189,8 @@ def test_a_part_that_is_not_text_is_refused_by_its_type(part: Any, param: str) -
     (2, {"summary": "Think."}, "input[2].summary"),
     (2, {"content": [{"type": "summary_text", "text": "x"}]}, "input[2].content[0].type"),
     (2, {"content": [], "summary": [{"type": "summary_text"}]}, "input[2].summary[0].text"),
+    (2, {"content": [{"type": {}, "text": "x"}]}, "input[2].content[0].type"),
+    (0, {"type": ["message"]}, "input[0].type"),
 ])
 def test_a_key_of_the_wrong_type_is_a_400_naming_it(
         index: int, extra: dict[str, Any], param: str) -> None:
