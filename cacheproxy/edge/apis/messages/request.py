@@ -49,6 +49,9 @@ COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice",
 _DISPLAYS = (None, "summarized", "omitted", "updates", "highlights")
 # output_config.effort -> reasoning_effort ("max": the most a template can be asked).
 _EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
+SCHEMA_FIELDS = ("tools", "output_config.format", "output_format")
+"""The fields of a Messages body that may carry schemas (counted against the schema budget;
+a body with any is parsed off the event loop)."""
 _TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "strict",
                         "cache_control", "eager_input_streaming", "input_examples",
                         "defer_loading", "allowed_callers"})
