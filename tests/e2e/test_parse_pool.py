@@ -75,22 +75,25 @@ def _time_hits(url: str, done: threading.Event) -> list[tuple[float, float]]:
 
 
 async def _hits_while_parsing(proxy: Proxy, path: str = "/v1/chat/completions",
-                              body: dict[str, Any] | None = None) -> list[float]:
+                              body: dict[str, Any] | None = None, status: int = 504
+                              ) -> list[float]:
     """Milliseconds of each HIT in flight while a schema of SCHEMA_PROPERTIES properties is
-    parsed (asked of `path` only-if-cached: its parse is all the work it makes)."""
+    parsed (asked of `path` only-if-cached: its parse is all the work it makes; `status`
+    the answer to it)."""
     async with aiohttp.ClientSession() as session:
         assert (await _post(session, proxy, HIT_BODY))[0] == 200  # stored
         done = threading.Event()
         timer = asyncio.create_task(asyncio.to_thread(_time_hits, proxy.url, done))
         await asyncio.sleep(0.2)
         sent = time.perf_counter()
-        status, answer = await _post(session, proxy, body or _wide(SCHEMA_PROPERTIES), path,
-                                     **{"Cache-Control": "only-if-cached"})
+        got, answer = await _post(session, proxy, body or _wide(SCHEMA_PROPERTIES), path,
+                                  **{"Cache-Control": "only-if-cached"})
         parsed = time.perf_counter()
         done.set()
         times = await timer
-    # (parsed; Anthropic's shape has no code)
-    assert status == 504 and answer["error"].get("code", "not_cached") == "not_cached", answer
+    assert got == status, answer  # (parsed)
+    if status == 504:  # (Anthropic's shape has no code)
+        assert answer["error"].get("code", "not_cached") == "not_cached", answer
     assert parsed - sent > 0.5, parsed - sent  # a parse long enough to stall a HIT
     # Those in flight during the parse (from its body's arrival, give or take 50 ms, on).
     return [ms for started, ms in times if started < parsed and started + ms / 1000 > sent + 0.05]
@@ -108,6 +111,15 @@ async def test_a_hit_never_waits_for_a_messages_schema_parse(make_proxy: ProxyFa
     # parsed on the pool too (before, on the loop: the control below shows what that does).
     proxy = await make_proxy(**ROOMY)
     times = await _hits_while_parsing(proxy, "/v1/messages", _wide_message(SCHEMA_PROPERTIES))
+    assert len(times) >= 3 and statistics.median(times) < 50, times
+
+
+async def test_a_hit_never_waits_for_a_count_tokens_schema_parse(
+        make_proxy: ProxyFactory) -> None:
+    # count_tokens parses its body as a message's is parsed: off the loop (before, on it).
+    proxy = await make_proxy(**ROOMY)
+    body = {k: v for k, v in _wide_message(SCHEMA_PROPERTIES).items() if k != "max_tokens"}
+    times = await _hits_while_parsing(proxy, "/v1/messages/count_tokens", body, 200)
     assert len(times) >= 3 and statistics.median(times) < 50, times
 
 
@@ -171,6 +183,10 @@ async def test_messages_schemas_over_the_budget_are_a_400_in_anthropics_shape(
             assert error["error"]["type"] == "invalid_request_error", error
             assert "over this server's budget" in error["error"]["message"], error
             assert limit in error["error"]["message"], error
+        with pytest.raises(anthropic.BadRequestError) as counted:  # count_tokens: the same
+            await sdk.messages.count_tokens(model=DEMO_MODEL_ID, messages=wide["messages"],
+                                            output_config=wider["output_config"])
+        assert "262144 bytes" in counted.value.message
         # Control: within the budget, the same format is taken and held to.
         answer = await sdk.messages.create(model=DEMO_MODEL_ID, max_tokens=1,
                                            messages=wide["messages"],

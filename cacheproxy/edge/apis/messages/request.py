@@ -237,3 +237,11 @@ def parse_messages(body: object, defaults: RunnerDefaults, mode: SamplingMode, *
                    max_answer_tokens=max_answer_tokens)
     echo = orjson.dumps({"omit_thinking": True}) if omitted else b""
     return replace(parsed, delivery=replace(parsed.delivery, api="messages", echo=echo))
+
+
+def count_messages(body: object, defaults: RunnerDefaults, mode: SamplingMode, *,
+                   max_tokens_cap: int | None = None,
+                   max_answer_tokens: int | None = None) -> Parsed:
+    """The canonical request of a /v1/messages/count_tokens body (it has no max_tokens)."""
+    return parse_messages(body, defaults, mode, max_tokens_cap=max_tokens_cap,
+                          max_answer_tokens=max_answer_tokens, counting=True)
