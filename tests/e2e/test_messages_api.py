@@ -6,6 +6,7 @@ Responses."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -233,6 +234,58 @@ async def test_errors_are_the_sdks_exceptions_in_anthropics_shape(make_proxy: Pr
     assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
     async with client(proxy, api_key=None, auth_token="secret") as sdk:  # Bearer, as Claude Code
         assert (await sdk.messages.count_tokens(model=MODEL, messages=FOX)).input_tokens
+
+
+async def _refused_before_the_body(port: int, path: str, headers: bytes) -> tuple[int, Any]:
+    """A POST that announces a body and waits (Expect: 100-continue, as curl sends a large
+    one): the status and JSON of the answer given before a byte of the body is sent."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"POST %b HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"%b\r\n\r\n" % (path.encode(), headers))
+        status = int((await asyncio.wait_for(reader.readline(), 5)).split()[1])
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        return status, json.loads(await asyncio.wait_for(reader.readexactly(length), 5))
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+async def test_errors_before_the_body_are_in_anthropics_shape(make_proxy: ProxyFactory,
+                                                              path: str) -> None:
+    proxy = await make_proxy(api_keys=("secret",), max_body_bytes=4096)
+    port = int(proxy.url.rsplit(":", 1)[1])
+    cases = [(b"Expect: 100-continue\r\nContent-Length: 100", 401, "authentication_error"),
+             (b"x-api-key: wrong\r\nExpect: 100-continue\r\nContent-Length: 100", 401,
+              "authentication_error"),
+             (b"x-api-key: secret\r\nExpect: 100-continue\r\nContent-Length: 5000000", 413,
+              "request_too_large"),
+             (b"x-api-key: secret\r\nExpect: 200-ok\r\nContent-Length: 2", 417,
+              "invalid_request_error")]
+    for headers, status, kind in cases:
+        got, body = await _refused_before_the_body(port, path, headers)
+        assert (got, body["type"], body["error"]["type"]) == (status, "error", kind), body
+        assert set(body["error"]) == {"type", "message"} and body["error"]["message"]
+    # Control: chat completions' refusal of the same is in OpenAI's shape.
+    got, body = await _refused_before_the_body(port, "/v1/chat/completions", cases[0][0])
+    assert got == 401 and body["error"]["code"] is not None and "type" not in body
+    # The SDK's view (it sends no Expect): a wrong key, a body over the limit.
+    async def send(key: str, messages: list[dict[str, Any]]) -> None:
+        async with client(proxy, api_key=key) as sdk:
+            if path.endswith("count_tokens"):
+                await sdk.messages.count_tokens(model=MODEL, messages=messages)
+            else:
+                await sdk.messages.create(model=MODEL, max_tokens=8, messages=messages)
+
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        await send("wrong", FOX)
+    with pytest.raises(anthropic.APIStatusError) as large:
+        await send("secret", [{"role": "user", "content": "x" * 5000}])
+    assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    assert large.value.status_code == 413
+    assert large.value.body["error"]["type"] == "request_too_large"  # type: ignore[index]
 
 
 async def test_langchain_chat_anthropic_invoke_stream_and_bind_tools(make_proxy: ProxyFactory
