@@ -12,10 +12,12 @@ from typing import Any
 
 import aiohttp
 import anthropic
+import openai
 import pytest
 from anthropic.types import RawMessageStreamEvent
 from pydantic import BaseModel, TypeAdapter
 
+from cacheproxy.edge.state import PROXY
 from tests.conftest import Proxy, ProxyFactory
 
 MODEL = "cacheproxy-demo"
@@ -234,6 +236,31 @@ async def test_errors_are_the_sdks_exceptions_in_anthropics_shape(make_proxy: Pr
     assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
     async with client(proxy, api_key=None, auth_token="secret") as sdk:  # Bearer, as Claude Code
         assert (await sdk.messages.count_tokens(model=MODEL, messages=FOX)).input_tokens
+
+
+async def test_a_prompt_over_the_context_is_prompt_is_too_long(make_proxy: ProxyFactory
+                                                                ) -> None:
+    proxy = await make_proxy()
+    long = [{"role": "user", "content": "The cat eats fish. " * 200}]  # the context: 512
+    async with client(proxy) as sdk:
+        counted = (await sdk.messages.count_tokens(model=MODEL, messages=long)).input_tokens
+        with pytest.raises(anthropic.BadRequestError) as whole:
+            await sdk.messages.create(model=MODEL, max_tokens=8, messages=long)
+        with pytest.raises(anthropic.BadRequestError) as streamed:
+            async with sdk.messages.stream(model=MODEL, max_tokens=8, messages=long) as events:
+                await events.get_final_message()
+    context = proxy.app[PROXY].runner.defaults().context_length
+    assert whole.value.body == {"type": "error", "error": {
+        "type": "invalid_request_error",
+        "message": f"prompt is too long: {counted} tokens > {context - 1} maximum"}}
+    assert streamed.value.body == whole.value.body and counted > context
+    # Control: chat completions says it in OpenAI's words, with the same numbers.
+    with pytest.raises(openai.BadRequestError) as chat:
+        await proxy.client.chat.completions.create(  # (the same prompt: no thinking)
+            model=MODEL, messages=long, max_tokens=8,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert chat.value.code == "context_length_exceeded"
+    assert f"is {counted} tokens" in chat.value.message
 
 
 async def _refused_before_the_body(port: int, path: str, headers: bytes) -> tuple[int, Any]:
