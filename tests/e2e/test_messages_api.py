@@ -196,6 +196,14 @@ async def test_stop_sequences_and_max_tokens_are_the_stop_reasons(make_proxy: Pr
     assert headers["x-cache"] == "HIT" and hit.stop_sequence == word  # stored with the entry
     short, _ = await create(proxy, max_tokens=3, **kw)
     assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
+    # More than chat's 4 (Anthropic has no such bound), and a 400 naming them past this
+    # server's bound.
+    many = [word, *(f"NEVER{i}" for i in range(8))]
+    cut_many, _ = await create(proxy, max_tokens=64, stop_sequences=many, **kw)
+    assert (cut_many.stop_sequence, cut_many.content) == (word, cut.content)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        await create(proxy, max_tokens=64, stop_sequences=[f"S{i}" for i in range(65)], **kw)
+    assert "'stop_sequences' takes at most 64" in refused.value.message
 
 
 async def test_count_tokens_is_the_prompt_a_generation_reads(make_proxy: ProxyFactory) -> None:
