@@ -108,10 +108,35 @@ async def test_a_hit_never_waits_for_a_schema_parse(make_proxy: ProxyFactory) ->
 
 async def test_a_hit_never_waits_for_a_messages_schema_parse(make_proxy: ProxyFactory) -> None:
     # A Messages body's schema is in output_config.format (not a field chat has): it is
-    # parsed on the pool too (before, on the loop: the control below shows what that does).
+    # parsed on the pool too. (This body, over 16 KB, went there before too: the test below
+    # shows a small one does now; the control after it what a parse on the loop does.)
     proxy = await make_proxy(**ROOMY)
     times = await _hits_while_parsing(proxy, "/v1/messages", _wide_message(SCHEMA_PROPERTIES))
     assert len(times) >= 3 and statistics.median(times) < 50, times
+
+
+async def test_a_small_messages_body_with_a_schema_is_parsed_on_the_pool(
+        make_proxy: ProxyFactory) -> None:
+    # (Under 16 KB: a larger body goes to the pool whatever it holds.) Each field of a
+    # Messages body that carries a schema sends it there; a body without one stays on the loop.
+    proxy = await make_proxy()
+    pool = proxy.app[PROXY].memos.parser.pool
+    assert pool is not None
+    with_format = _wide_message(3)
+    plain = {k: v for k, v in with_format.items() if k != "output_config"}
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    bodies = [(with_format, 1),
+              ({**plain, "output_format": with_format["output_config"]["format"]}, 1),
+              ({**plain, "tools": [tool]}, 1),
+              ({**plain, "output_config": {"effort": "low"}}, 0),  # control: no schema
+              (plain, 0)]  # control
+    async with aiohttp.ClientSession() as session:
+        for body, parses in bodies:
+            before = pool.started
+            status, answer = await _post(session, proxy, body, "/v1/messages",
+                                         **{"Cache-Control": "only-if-cached"})
+            assert status == 504, answer  # parsed (and not stored)
+            assert pool.started - before == parses, body
 
 
 async def test_a_hit_never_waits_for_a_count_tokens_schema_parse(
