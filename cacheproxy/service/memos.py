@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 import msgpack
 
 from cacheproxy.keys import codec
+from cacheproxy.keys.budget import SCHEMA_FIELDS, SchemaFields
 from cacheproxy.keys.canonical import Parsed, Route, RunnerDefaults
 from cacheproxy.keys.fingerprint import Fingerprint
 from cacheproxy.keys.key import CacheKey
@@ -94,6 +95,15 @@ class Parse(Protocol):
     def __call__(self, body: object, defaults: RunnerDefaults, mode: SamplingMode, *,
                  max_tokens_cap: int | None = None,
                  max_answer_tokens: int | None = None) -> Parsed: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BodyParser:
+    """An API's parse, and the fields of its bodies that may carry schemas: those are counted
+    against the schema budget, and a body with any is parsed off the loop (service/parsing)."""
+
+    parse: Parse
+    schema_fields: SchemaFields = SCHEMA_FIELDS
 
 
 class DecodedRecords:

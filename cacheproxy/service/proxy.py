@@ -35,7 +35,7 @@ from cacheproxy.service.breaker import StoreUnavailable
 from cacheproxy.service.fill import Filler, FillOrder
 from cacheproxy.service.fleet import Fleet
 from cacheproxy.service.flights import Flight, Flights
-from cacheproxy.service.memos import Memos, Parse, Repeat, RepeatKey
+from cacheproxy.service.memos import BodyParser, Memos, Repeat, RepeatKey
 from cacheproxy.service.parsing import ParseMemo, ParsePool
 from cacheproxy.service.storage import StoreAccess
 from policies.cache_control import parse_cache_control
@@ -122,7 +122,8 @@ class CachingProxy:
 
     def __init__(
         self, runner: Runner, store: Backend, options: ServiceOptions, *,
-        parsers: Mapping[Route, Parse], gate: Callable[[], Awaitable[None]] = _always_open,
+        parsers: Mapping[Route, BodyParser],
+        gate: Callable[[], Awaitable[None]] = _always_open,
         gate_open: Callable[[], bool] = _is_open, clock: Callable[[], float] = time.time,
     ) -> None:
         self.runner = runner

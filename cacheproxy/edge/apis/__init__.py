@@ -16,12 +16,14 @@ from typing import Any, Protocol
 from cacheproxy.edge import render, responses_render
 from cacheproxy.edge.apis.messages import errors as messages_errors
 from cacheproxy.edge.apis.messages import render as messages_render
+from cacheproxy.edge.apis.messages.request import SCHEMA_FIELDS as MESSAGES_SCHEMAS
 from cacheproxy.edge.apis.messages.request import parse_messages
 from cacheproxy.errors import ProxyError
+from cacheproxy.keys.budget import SchemaFields
 from cacheproxy.keys.canonical import Parsed, Route, RunnerDefaults, parse
 from cacheproxy.keys.codec import Chunk, Output
 from cacheproxy.keys.responses import parse_responses
-from cacheproxy.service.memos import Parse
+from cacheproxy.service.memos import BodyParser, Parse
 from policies.sampling import SamplingMode
 
 
@@ -47,6 +49,7 @@ class Api:
     paths: tuple[str, ...]  # POST routes answered through the cache
     id_head: str  # of its response ids
     parse: Parse
+    schema_fields: SchemaFields  # of its bodies: what may carry schemas (keys/budget.py)
     body: Callable[[render.Frame, Output], dict[str, Any]]
     stream: Callable[[render.Frame], Stream]
     whole_stream: Callable[[render.Frame, Output], bytes]
@@ -67,17 +70,20 @@ def _completions(body: object, defaults: RunnerDefaults, mode: SamplingMode, *,
                  max_answer_tokens=max_answer_tokens)
 
 
+_CHAT_SCHEMAS = ("tools", "functions", "response_format")
 APIS: Mapping[Route, Api] = {
-    "chat": Api(("/v1/chat/completions",), "chatcmpl-", _chat, render.body, render.ChatStream,
-                render.whole_stream),
-    "completions": Api(("/v1/completions",), "cmpl-", _completions, render.body,
-                       render.ChatStream, render.whole_stream),
-    "responses": Api(("/v1/responses",), "resp_", parse_responses, responses_render.response,
-                     responses_render.ResponsesStream, responses_render.whole_stream),
-    "messages": Api(("/v1/messages",), "msg_", parse_messages, messages_render.body,
-                    messages_render.MessagesStream, messages_render.whole_stream,
-                    messages_errors.error_body, "x-api-key"),
+    "chat": Api(("/v1/chat/completions",), "chatcmpl-", _chat, _CHAT_SCHEMAS, render.body,
+                render.ChatStream, render.whole_stream),
+    "completions": Api(("/v1/completions",), "cmpl-", _completions, _CHAT_SCHEMAS,
+                       render.body, render.ChatStream, render.whole_stream),
+    "responses": Api(("/v1/responses",), "resp_", parse_responses, ("tools", "text"),
+                     responses_render.response, responses_render.ResponsesStream,
+                     responses_render.whole_stream),
+    "messages": Api(("/v1/messages",), "msg_", parse_messages, MESSAGES_SCHEMAS,
+                    messages_render.body, messages_render.MessagesStream,
+                    messages_render.whole_stream, messages_errors.error_body, "x-api-key"),
 }
-PARSERS: Mapping[Route, Parse] = {name: api.parse for name, api in APIS.items()}
-"""What the service parses each API's bodies with."""
+PARSERS: Mapping[Route, BodyParser] = {name: BodyParser(api.parse, api.schema_fields)
+                                       for name, api in APIS.items()}
+"""What the service parses each API's bodies with (and which of their fields it counts)."""
 ID_HEADS: Mapping[Route, str] = {name: api.id_head for name, api in APIS.items()}

@@ -74,3 +74,23 @@ def test_a_failure_after_the_stream_began_is_an_error_event_in_anthropics_shape(
     event = MessagesStream(frame()).error(GenerationTimeout("the generation took over 300 s"))
     assert event == (b'event: error\ndata: {"type":"error","error":{"type":"timeout_error",'
                      b'"message":"the generation took over 300 s"}}\n\n')
+
+
+@pytest.mark.parametrize("arguments", ["[1, 2]", '"Lima"', "7", "null", "not json"])
+def test_a_call_whose_arguments_are_no_object_is_text_never_a_tool_use(arguments: str) -> None:
+    # (An entry stored before the runner refused such calls.) tool_use.input must be an
+    # object: the call is the text the model wrote, in the text block it follows.
+    odd = ToolCallOut(0, "get_weather", arguments)
+    output = Output((Chunk("It is", (1,)), Chunk("", (2,), tool_calls=(odd,))), "tool_calls",
+                    10, 2)
+    whole = body(frame(), output)
+    assert Message.model_validate(whole)  # what the SDK reads
+    (block,) = whole["content"]
+    assert block["type"] == "text" and block["text"].startswith('It is{"name":"get_weather"')
+    assert (whole["stop_reason"], streamed(frame(), output)["content"]) == ("end_turn",
+                                                                           whole["content"])
+    # Control: with an object the same call is a tool_use block, and the reason tool_use.
+    fine = Output((Chunk("It is", (1,)), Chunk("", (2,), tool_calls=(CALL,))), "tool_calls",
+                  10, 2)
+    assert [b["type"] for b in body(frame(), fine)["content"]] == ["text", "tool_use"]
+    assert body(frame(), fine)["stop_reason"] == "tool_use"

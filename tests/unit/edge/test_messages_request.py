@@ -154,3 +154,18 @@ def test_what_cannot_be_honoured_is_refused_by_name(body: dict[str, Any], param:
     with pytest.raises(InvalidRequest) as refused:
         messages(**body)
     assert refused.value.param == param and param.split(".")[0] in refused.value.message
+
+
+def test_stop_sequences_take_more_than_chats_four_within_a_bound() -> None:
+    from cacheproxy.edge.apis.messages.request import MAX_STOP_SEQUENCES
+
+    many = [f"STOP{i}" for i in range(MAX_STOP_SEQUENCES)]
+    assert messages(stop_sequences=many).request.stop == tuple(sorted(many))
+    with pytest.raises(InvalidRequest) as refused:
+        messages(stop_sequences=[*many, "ONE MORE"])
+    assert refused.value.param == "stop_sequences"
+    assert f"at most {MAX_STOP_SEQUENCES} sequences" in refused.value.message
+    # Control: chat's `stop` keeps OpenAI's bound of 4.
+    with pytest.raises(InvalidRequest) as chats:
+        chat(stop=many[:5])
+    assert chats.value.param == "stop" and "at most 4" in chats.value.message

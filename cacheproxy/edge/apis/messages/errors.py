@@ -3,7 +3,7 @@ its type named by the status as Anthropic names them (the SDK raises by status).
 
 from __future__ import annotations
 
-from cacheproxy.errors import ProxyError
+from cacheproxy.errors import ContextLengthExceeded, ProxyError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -11,7 +11,11 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 
 
 def error_body(error: ProxyError) -> dict[str, object]:
-    """The error as Anthropic shapes it (the message names the field, as ours all do)."""
+    """The error as Anthropic shapes it (the message names the field, as ours all do; a
+    prompt over the context is said as Anthropic says it, which clients read the numbers of)."""
     kind = _TYPES.get(error.status, "invalid_request_error" if error.status < 500
                       else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
+    message = error.message
+    if isinstance(error, ContextLengthExceeded):
+        message = f"prompt is too long: {error.prompt_tokens} tokens > {error.maximum} maximum"
+    return {"type": "error", "error": {"type": kind, "message": message}}

@@ -44,6 +44,25 @@ def _tool_use(frame: Frame, call: ToolCallOut, arguments: Any) -> dict[str, Any]
             "input": arguments}
 
 
+def call_input(call: ToolCallOut) -> dict[str, Any] | None:
+    """A call's input, None when its arguments are not a JSON object: tool_use.input must
+    be one (the runner makes no such call; an entry stored before it checked may hold one)."""
+    try:
+        value = orjson.loads(call.arguments)
+    except orjson.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def call_text(call: ToolCallOut) -> str:
+    """A call that cannot be a tool_use, as the text of the call the model wrote."""
+    try:
+        arguments: Any = orjson.loads(call.arguments)
+    except orjson.JSONDecodeError:
+        arguments = call.arguments
+    return orjson.dumps({"name": call.name, "arguments": arguments}).decode()
+
+
 def blocks(frame: Frame, output: Output) -> list[dict[str, Any]]:
     """The content blocks of a finished generation, as its stream ends them."""
     out: list[dict[str, Any]] = []
@@ -57,14 +76,24 @@ def blocks(frame: Frame, output: Output) -> list[dict[str, Any]]:
                             "signature": _signature(frame, len(out))})
             elif text:
                 out.append({"type": "text", "text": text})
-        out += [_tool_use(frame, c, orjson.loads(c.arguments)) for c in chunk.tool_calls]
+        for call in chunk.tool_calls:
+            if (arguments := call_input(call)) is not None:
+                out.append(_tool_use(frame, call, arguments))
+            elif out and out[-1]["type"] == "text":
+                out[-1]["text"] += call_text(call)
+            else:
+                out.append({"type": "text", "text": call_text(call)})
     return out
 
 
 def stop(output: Output) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a finished generation."""
+    """(stop_reason, stop_sequence) of a finished generation (tool_use only with a tool_use
+    block to answer)."""
     if output.finish_reason == "stop" and output.stop:
         return "stop_sequence", output.stop
+    if output.finish_reason == "tool_calls" and not any(
+            call_input(call) is not None for c in output.chunks for call in c.tool_calls):
+        return "end_turn", None
     return _STOP_REASONS.get(output.finish_reason, "end_turn"), None
 
 
@@ -122,7 +151,10 @@ class MessagesStream:
         if chunk.text:
             out += self._delta("text", chunk.text)
         for call in chunk.tool_calls:
-            out += self._close() + self._call(call)
+            if call_input(call) is None:
+                out += self._delta("text", call_text(call))
+            else:
+                out += self._close() + self._call(call)
         return out
 
     def error(self, error: ProxyError) -> bytes:

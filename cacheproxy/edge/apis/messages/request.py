@@ -2,8 +2,9 @@
 
 The conversation becomes chat turns (`turns`); `tools` (`input_schema`), `tool_choice`
 (`auto`, `any` = required, `tool` = that function, `none`), `disable_parallel_tool_use`
-(parallel_tool_calls false), `stop_sequences`, `max_tokens` (required; above the server's
-cap it is the cap: the answer then ends with `max_tokens` where the server stops it),
+(parallel_tool_calls false), `stop_sequences` (up to 64: chat's `stop` takes 4), `max_tokens`
+(required; above the server's cap it is the cap: the answer then ends with `max_tokens` where
+the server stops it),
 `temperature`, `top_p`, `top_k`, `output_config.format` (a json_schema response_format) and
 `output_config.effort` (reasoning_effort; `max` is `xhigh`) map onto their chat forms (a
 tool with `defer_loading` is checked and not shown to the model: this server has no tool search
@@ -49,6 +50,12 @@ COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice",
 _DISPLAYS = (None, "summarized", "omitted", "updates", "highlights")
 # output_config.effort -> reasoning_effort ("max": the most a template can be asked).
 _EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
+# Anthropic documents no bound on stop_sequences (OpenAI's `stop` takes 4); this server's
+# keeps the per-token check of each sequence cheap.
+MAX_STOP_SEQUENCES = 64
+SCHEMA_FIELDS = ("tools", "output_config.format", "output_format")
+"""The fields of a Messages body that may carry schemas (counted against the schema budget;
+a body with any is parsed off the event loop)."""
 _TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "strict",
                         "cache_control", "eager_input_streaming", "input_examples",
                         "defer_loading", "allowed_callers"})
@@ -209,7 +216,7 @@ def translate(body: Mapping[str, Any], cap: int, *, counting: bool = False
         if body.get(name) is not None:
             chat[name] = body[name]
     if body.get("stop_sequences") is not None:
-        chat["stop"] = list(fields.stop_list(body, "stop_sequences"))
+        chat["stop"] = list(fields.stop_list(body, "stop_sequences", most=MAX_STOP_SEQUENCES))
     if body.get("tools") is not None:
         if not isinstance(body["tools"], list):
             raise InvalidRequest("'tools' must be a list", param="tools")
@@ -231,6 +238,14 @@ def parse_messages(body: object, defaults: RunnerDefaults, mode: SamplingMode, *
     cap = min(defaults.max_tokens_cap, defaults.context_length, max_tokens_cap or 2**31)
     chat, omitted = translate(body, cap, counting=counting)
     parsed = parse(chat, "chat", defaults, mode, max_tokens_cap=max_tokens_cap,
-                   max_answer_tokens=max_answer_tokens)
+                   max_answer_tokens=max_answer_tokens, max_stops=MAX_STOP_SEQUENCES)
     echo = orjson.dumps({"omit_thinking": True}) if omitted else b""
     return replace(parsed, delivery=replace(parsed.delivery, api="messages", echo=echo))
+
+
+def count_messages(body: object, defaults: RunnerDefaults, mode: SamplingMode, *,
+                   max_tokens_cap: int | None = None,
+                   max_answer_tokens: int | None = None) -> Parsed:
+    """The canonical request of a /v1/messages/count_tokens body (it has no max_tokens)."""
+    return parse_messages(body, defaults, mode, max_tokens_cap=max_tokens_cap,
+                          max_answer_tokens=max_answer_tokens, counting=True)
