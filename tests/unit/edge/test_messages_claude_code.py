@@ -9,8 +9,12 @@ from typing import Any
 
 import pytest
 
+from cacheproxy.edge.apis.messages.render import body
 from cacheproxy.edge.apis.messages.request import parse_messages
+from cacheproxy.edge.render import Frame
 from cacheproxy.errors import InvalidRequest
+from cacheproxy.keys.canonical import Delivery
+from cacheproxy.keys.codec import Chunk, Output
 from policies.sampling import SamplingMode
 from tests.unit.edge.test_messages_request import ASK, DEFAULTS, SCHEMA, chat, key, messages
 
@@ -142,6 +146,30 @@ def test_a_shown_thinking_display_is_the_thought_as_generated(display: str) -> N
     with pytest.raises(InvalidRequest) as refused:
         messages(thinking={"type": "adaptive", "display": "verbatim"})
     assert refused.value.param == "thinking.display"
+
+
+def test_an_omitted_thought_comes_back_unsealed_and_keys_as_if_shown() -> None:
+    output = Output((Chunk("", (1,), reasoning="Foxes eat mice."), Chunk("Mice.", (2,))),
+                    "stop", 10, 2)
+    delivery = Delivery(True, False, 1, "demo", api="messages", echo=b'{"omit_thinking": true}')
+    reply = body(Frame("msg_1", 0, "demo", "fp", "chat", delivery, False, False, key="ns/k"),
+                 output)["content"]
+    assert reply[0]["thinking"] == ""  # the client is shown no thought
+    follow = {"role": "user", "content": "And owls?"}
+    ours = messages(messages=[ASK, {"role": "assistant", "content": reply}, follow])
+    shown = [{**reply[0], "thinking": "Foxes eat mice.", "signature": "s1"}, reply[1]]
+    assert key(ours) == key(messages(messages=[ASK, {"role": "assistant", "content": shown},
+                                               follow]))
+    assert ours.request == chat(messages=[ASK, {"role": "assistant", "content": "Mice.",
+                                                "reasoning_content": "Foxes eat mice."},
+                                          follow]).request
+    # Control: a signature this server did not seal cannot stand for the thought.
+    for signature in ("s1", "cpx1.%%%", reply[0]["signature"][:-2] + "@@"):
+        foreign = [{**reply[0], "signature": signature}, reply[1]]
+        with pytest.raises(InvalidRequest) as refused:
+            messages(messages=[ASK, {"role": "assistant", "content": foreign}, follow])
+        assert refused.value.param == "messages[1].content[0].signature"
+        assert "signature" in refused.value.message
 
 
 def test_a_tool_reference_is_refused_with_how_to_turn_tool_search_off() -> None:

@@ -1,11 +1,12 @@
 """A Messages API conversation as chat turns.
 
 `system` is a first system turn; a turn's text blocks are its text parts (joined as chat
-joins them); an assistant's `thinking` blocks are its reasoning (their signatures accepted,
-never checked or keyed) and its `tool_use` blocks its tool calls; each `tool_result` block is
-a tool turn answering its `tool_use_id` (`is_error`: its text after "Error: "), and the
-user's runs of text are user turns after them. `cache_control` markers are accepted and never
-keyed. Anything else (images, documents, server-tool blocks) is a 400 naming the block.
+joins them); an assistant's `thinking` blocks are its reasoning (a shown thought's signature
+accepted, never checked or keyed; an omitted one's, its text empty, gives the thought it
+seals) and its `tool_use` blocks its tool calls; each `tool_result` block is a tool turn
+answering its `tool_use_id` (`is_error`: its text after "Error: "), and the user's runs of
+text are user turns after them. `cache_control` markers are accepted and never keyed.
+Anything else (images, documents, server-tool blocks) is a 400 naming the block.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from cacheproxy.errors import InvalidRequest, Unsupported
 from cacheproxy.keys import fields
+from cacheproxy.keys.responses_tools import opened
 
 _TEXT_KEYS = frozenset({"type", "text", "cache_control", "citations"})
 _TURN = frozenset({"role", "content"})
@@ -74,11 +76,8 @@ def _assistant(raw: object, where: str, seen: set[str]) -> dict[str, Any]:
         at, kind = f"{where}[{j}]", block["type"]
         if kind == "text":
             parts.append(_text(block, at))
-        elif kind == "thinking":  # its signature is accepted as is, never checked or keyed
-            unknown(block, frozenset({"type", "thinking", "signature"}), at)
-            if not isinstance(block.get("thinking"), str):
-                raise InvalidRequest(f"'{at}.thinking' must be a string", param=f"{at}.thinking")
-            thought += block["thinking"]
+        elif kind == "thinking":
+            thought += _thought(block, at)
         elif kind == "tool_use":
             calls.append(_tool_use(block, at, seen))
         else:
@@ -90,6 +89,22 @@ def _assistant(raw: object, where: str, seen: set[str]) -> dict[str, Any]:
     if thought:
         turn["reasoning_content"] = thought
     return turn
+
+
+def _thought(block: Mapping[str, Any], where: str) -> str:
+    """A thinking block's thought: its text, or (omitted, its text empty) the thought its
+    signature seals, so the history is the one the model wrote and keys as if shown."""
+    unknown(block, frozenset({"type", "thinking", "signature"}), where)
+    if not isinstance(block.get("thinking"), str):
+        raise InvalidRequest(f"'{where}.thinking' must be a string", param=f"{where}.thinking")
+    if block["thinking"] or block.get("signature") in (None, ""):
+        return str(block["thinking"])  # a shown thought's signature is accepted, never keyed
+    thought = opened(block["signature"])
+    if thought is None:
+        raise InvalidRequest(f"'{where}.signature' was not written by this server, which "
+                             "cannot read another's omitted thinking: send the thought as the "
+                             "block's 'thinking' instead", param=f"{where}.signature")
+    return thought
 
 
 def _tool_use(block: Mapping[str, Any], where: str, seen: set[str]) -> dict[str, Any]:
