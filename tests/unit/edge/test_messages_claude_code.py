@@ -83,6 +83,9 @@ def test_a_deferred_tool_is_checked_and_not_shown_to_the_model() -> None:
     assert refused.value.param == "tools[1].input_schema"
 
 
+LATE = {"role": "system", "content": "Now be quick."}
+
+
 def test_a_system_turns_effort_governs_the_answer_asked_now() -> None:
     late = {"role": "system", "content": "Now be quick.", "output_config": {"effort": "low"}}
     ours = messages(messages=[ASK, late], output_config={"effort": "high"})
@@ -95,10 +98,39 @@ def test_a_system_turns_effort_governs_the_answer_asked_now() -> None:
                         ({**late, "output_config": {"format": {}}},
                          "messages[1].output_config.format"),
                         ({**late, "output_config": {"effort": "extreme"}},
-                         "output_config.effort")):
+                         "messages[1].output_config.effort")):
         with pytest.raises(InvalidRequest) as refused:
             messages(messages=[ASK, turn])
         assert refused.value.param == param
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    # Each turn's effort is checked where it is, not only the last one's.
+    ({"messages": [{**LATE, "output_config": {"effort": "extreme"}}, ASK, LATE]},
+     "messages[0].output_config.effort"),
+    ({"messages": [ASK, {**LATE, "output_config": {"effort": ["low"]}}]},
+     "messages[1].output_config.effort"),
+    ({"messages": [ASK, {**LATE, "output_config": "low"}]}, "messages[1].output_config"),
+    # The request's own is checked even where a turn's governs the answer.
+    ({"messages": [ASK, {**LATE, "output_config": {"effort": "low"}}],
+      "output_config": {"effort": "extreme"}}, "output_config.effort"),
+    ({"output_config": {"effort": 3}}, "output_config.effort"),
+    ({"output_config": {"effort": ["high"]}}, "output_config.effort"),
+])
+def test_every_effort_is_checked_and_refused_by_its_path(body: dict[str, Any],
+                                                         param: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        messages(**body)
+    assert refused.value.param == param and f"'{param}'" in refused.value.message
+    if param.endswith(".effort"):  # the levels it may be
+        assert "'low', 'medium', 'high', 'xhigh', 'max'" in refused.value.message
+
+
+@pytest.mark.parametrize("effort", ["low", "medium", "high", "xhigh", "max"])
+def test_each_of_anthropics_effort_levels_is_accepted(effort: str) -> None:
+    turn = {**LATE, "output_config": {"effort": effort}}
+    assert messages(messages=[ASK, turn], output_config={"effort": effort}).request == \
+        messages(output_config={"effort": effort}, messages=[ASK, LATE]).request
 
 
 def _claude_code_body(session: str) -> dict[str, Any]:

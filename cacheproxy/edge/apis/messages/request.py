@@ -47,7 +47,8 @@ COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice",
 # thinking.display: omitted, or the thought as generated (this server has no summariser, and
 # Claude Code's `updates` and `highlights` ask to be shown the thought's progress).
 _DISPLAYS = (None, "summarized", "omitted", "updates", "highlights")
-# output_config.effort -> reasoning_effort ("max": the most a template can be asked).
+# output_config.effort (Anthropic's levels, also a system turn's) -> reasoning_effort ("max":
+# the most a template can be asked).
 _EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
 _TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "strict",
                         "cache_control", "eager_input_streaming", "input_examples",
@@ -146,15 +147,27 @@ def _thinking(body: Mapping[str, Any], max_tokens: int) -> tuple[bool, bool]:
     return kind in ("enabled", "adaptive"), raw.get("display") == "omitted"
 
 
+def _effort(config: Mapping[str, Any], where: str) -> str | None:
+    """An output_config's effort, checked: one of Anthropic's levels (400 naming `where`)."""
+    effort = config.get("effort")
+    if effort is not None and (not isinstance(effort, str) or effort not in _EFFORTS):
+        raise InvalidRequest(f"'{where}.effort' must be one of {list(_EFFORTS)}, not "
+                             f"{effort!r}", param=f"{where}.effort")
+    return effort
+
+
 def _turn_effort(body: Mapping[str, Any]) -> str | None:
     """The effort the last system turn sets (Claude Code's per-turn control): the answer now
-    asked is generated at it; an earlier turn's governed only answers already in the history."""
+    asked is generated at it; an earlier turn's governed only answers already in the history,
+    and is checked all the same."""
     effort = None
     for i, turn in enumerate(body["messages"]):
         if turn.get("output_config") is not None:
-            config = fields.obj(turn, "output_config")
-            unknown(config, frozenset({"effort"}), f"messages[{i}].output_config")
-            effort = config.get("effort")  # checked below with the top level's
+            where, config = f"messages[{i}].output_config", turn["output_config"]
+            if not isinstance(config, dict):
+                raise InvalidRequest(f"'{where}' must be an object", param=where)
+            unknown(config, frozenset({"effort"}), where)
+            effort = _effort(config, where) or effort
     return effort
 
 
@@ -174,10 +187,8 @@ def _output(body: Mapping[str, Any], chat: dict[str, Any], switch: bool) -> None
         unknown(form, frozenset({"type", "schema"}), where)
         chat["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "output", "schema": form.get("schema")}}
-    effort = _turn_effort(body) or config.get("effort")
-    if effort is not None and effort not in _EFFORTS:
-        raise InvalidRequest(f"'output_config.effort' must be one of {list(_EFFORTS)}",
-                             param="output_config.effort")
+    asked = _effort(config, "output_config")
+    effort = _turn_effort(body) or asked
     kwargs: dict[str, Any] = {"enable_thinking": switch}
     if effort is not None and switch is False:  # the level for templates that read it
         kwargs["reasoning_effort"] = _EFFORTS[effort]
