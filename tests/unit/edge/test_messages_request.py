@@ -154,3 +154,28 @@ def test_what_cannot_be_honoured_is_refused_by_name(body: dict[str, Any], param:
     with pytest.raises(InvalidRequest) as refused:
         messages(**body)
     assert refused.value.param == param and param.split(".")[0] in refused.value.message
+
+
+CALL = {"role": "assistant", "content": [
+    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]}
+RESULT = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "foggy"}
+AFTER = {"type": "text", "text": "And tomorrow?"}
+
+
+@pytest.mark.parametrize(("history", "param", "said"), [
+    ([ASK, CALL, {"role": "user", "content": [AFTER, RESULT]}], "messages[2].content[1]",
+     "tool_result blocks come first"),
+    ([ASK, CALL, {"role": "user", "content": [RESULT, RESULT]}],
+     "messages[2].content[1].tool_use_id", "'toolu_1' is answered twice"),
+    ([ASK, CALL, {"role": "user", "content": [RESULT]},
+      {"role": "assistant", "content": "Foggy."}, {"role": "user", "content": [RESULT, AFTER]}],
+     "messages[4].content[0].tool_use_id", "'toolu_1' is answered twice"),
+])
+def test_tool_results_come_first_and_answer_a_call_once(history: list[Any], param: str,
+                                                        said: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        messages(messages=history, tools=[{"name": "get_weather", "input_schema": SCHEMA}])
+    assert refused.value.param == param and said in refused.value.message
+    # Control: the result first and once, then the text, is a conversation.
+    messages(messages=[ASK, CALL, {"role": "user", "content": [RESULT, AFTER]}],
+             tools=[{"name": "get_weather", "input_schema": SCHEMA}])

@@ -4,7 +4,8 @@
 joins them); an assistant's `thinking` blocks are its reasoning (a shown thought's signature
 accepted, never checked or keyed; an omitted one's, its text empty, gives the thought it
 seals) and its `tool_use` blocks its tool calls; each `tool_result` block is a tool turn
-answering its `tool_use_id` (`is_error`: its text after "Error: "), and the user's runs of
+answering its `tool_use_id` (`is_error`: its text after "Error: "; the tool_result blocks come
+first in their turn, one for each tool_use, as Anthropic requires), and the user's runs of
 text are user turns after them. `cache_control` markers are accepted and never keyed.
 Anything else (images, documents, server-tool blocks) is a 400 naming the block.
 """
@@ -126,13 +127,18 @@ def _tool_use(block: Mapping[str, Any], where: str, seen: set[str]) -> dict[str,
             "function": {"name": block.get("name"), "arguments": block["input"]}}
 
 
-def _user(raw: object, where: str, seen: set[str]) -> list[dict[str, Any]]:
-    """A user turn's blocks: each tool_result a tool turn, each run of text a user turn."""
+def _user(raw: object, where: str, seen: set[str], answered: set[str]
+          ) -> list[dict[str, Any]]:
+    """A user turn's blocks: each tool_result a tool turn, each run of text a user turn.
+    As in Anthropic's API, the tool_result blocks come first and answer a call once each."""
     out: list[dict[str, Any]] = []
     for j, block in enumerate(_blocks(raw, where)):
         at, kind = f"{where}[{j}]", block["type"]
+        if kind == "tool_result" and out and out[-1]["role"] == "user":
+            raise InvalidRequest(f"'{at}' is a tool_result after text: in a user turn the "
+                                 "tool_result blocks come first, before any text", param=at)
         if kind == "tool_result":
-            out.append(_tool_result(block, at, seen))
+            out.append(_tool_result(block, at, seen, answered))
         elif kind == "text":
             if not out or out[-1]["role"] != "user":
                 out.append({"role": "user", "content": []})
@@ -145,12 +151,18 @@ def _user(raw: object, where: str, seen: set[str]) -> list[dict[str, Any]]:
     return out
 
 
-def _tool_result(block: Mapping[str, Any], where: str, seen: set[str]) -> dict[str, Any]:
+def _tool_result(block: Mapping[str, Any], where: str, seen: set[str], answered: set[str]
+                 ) -> dict[str, Any]:
     unknown(block, frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}),
             where)
-    if block.get("tool_use_id") not in seen:
+    call_id = block.get("tool_use_id")
+    if call_id not in seen:
         raise InvalidRequest(f"'{where}.tool_use_id' answers no earlier tool_use block",
                              param=f"{where}.tool_use_id")
+    if call_id in answered:
+        raise InvalidRequest(f"'{where}.tool_use_id' {call_id!r} is answered twice: each "
+                             "tool_use has a single tool_result", param=f"{where}.tool_use_id")
+    answered.add(str(call_id))
     content = block.get("content")
     joined = "" if content is None else texts(content, f"{where}.content")
     text = joined if isinstance(joined, str) else "".join(p["text"] for p in joined)
@@ -168,6 +180,7 @@ def turns(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise InvalidRequest("'messages' must be a non-empty list", param="messages")
     seen: set[str] = set()  # the ids of the tool_use blocks so far
+    answered: set[str] = set()  # the ids of those a tool_result block answered
     for i, turn in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(turn, dict):
@@ -182,7 +195,7 @@ def turns(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         elif role == "assistant":
             out.append(_assistant(content, f"{where}.content", seen))
         else:
-            out.extend(_user(content, f"{where}.content", seen))
+            out.extend(_user(content, f"{where}.content", seen, answered))
     if raw[-1].get("role") == "assistant":
         last = f"messages[{len(raw) - 1}]"
         raise InvalidRequest(f"'{last}' is an assistant turn to continue (a prefill): this "
