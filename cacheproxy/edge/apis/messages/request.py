@@ -10,16 +10,18 @@ tool with `defer_loading` is checked and not shown to the model: this server has
 to load it); `context_management` is applied to the turns (`context`);
 `thinking` is the template's thinking switch (`enabled` and `adaptive` on, `disabled` and
 `between_tools` off; absent: off, as in Anthropic's API, where thinking is opt-in, whatever
-the template's default; `budget_tokens` is checked
-and not enforced: the thought ends when the model ends it, within max_tokens). The canonical
-request is chat's, so a question asked through chat completions, Responses or Messages is
-one cache entry.
+the template's default). `budget_tokens` (enabled thinking only; at least 1024 and less than
+max_tokens, as Anthropic checks it) is keyed, not enforced: no runner can cut a thought short,
+so it reaches the template as `thinking_budget` (which templates with a budget read) and two
+budgets are two entries; the thought ends when the model ends it, within max_tokens. The
+canonical request is chat's, so a question asked through chat completions, Responses or
+Messages is one cache entry.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -50,6 +52,10 @@ _DISPLAYS = (None, "summarized", "omitted", "updates", "highlights")
 # output_config.effort (Anthropic's levels, also a system turn's) -> reasoning_effort ("max":
 # the most a template can be asked).
 _EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
+# thinking.budget_tokens: Anthropic's least, and the template kwarg it is keyed as (the name
+# templates with a thinking budget read, e.g. Seed-OSS's).
+_MIN_BUDGET = 1024
+THINKING_BUDGET = "thinking_budget"
 _TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "strict",
                         "cache_control", "eager_input_streaming", "input_examples",
                         "defer_loading", "allowed_callers"})
@@ -124,27 +130,50 @@ def _tool_choice(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
         chat["parallel_tool_calls"] = False
 
 
-def _thinking(body: Mapping[str, Any], max_tokens: int) -> tuple[bool, bool]:
-    """(the template's thinking switch; whether the thought is shown omitted). Absent is off:
-    in Anthropic's API thinking is opt-in (Claude Code's MAX_THINKING_TOKENS=0 leaves the
-    field out), whatever the chat template's own default."""
+@dataclass(frozen=True, slots=True)
+class Thinking:
+    """What `thinking` asks: the template's switch, the thought's budget (keyed), whether the
+    thought is shown omitted."""
+
+    switch: bool = False
+    budget: int | None = None
+    omitted: bool = False
+
+
+def _budget(raw: Mapping[str, Any], max_tokens: int) -> int:
+    """`budget_tokens` of enabled thinking, as Anthropic checks it: at least 1024, less than
+    max_tokens."""
+    budget, where = raw.get("budget_tokens"), "thinking.budget_tokens"
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise InvalidRequest(f"'{where}' is required with thinking.type enabled, an integer",
+                             param=where)
+    if not _MIN_BUDGET <= budget < max_tokens:
+        raise InvalidRequest(f"'{where}' must be at least {_MIN_BUDGET} and less than "
+                             f"max_tokens ({max_tokens}), not {budget}", param=where)
+    return budget
+
+
+def _thinking(body: Mapping[str, Any], max_tokens: int) -> Thinking:
+    """What `thinking` asks. Absent is off: in Anthropic's API thinking is opt-in (Claude
+    Code's MAX_THINKING_TOKENS=0 leaves the field out), whatever the chat template's own
+    default."""
     raw = fields.obj(body, "thinking")
     if not raw:
-        return False, False
-    unknown(raw, frozenset({"type", "budget_tokens", "display"}), "thinking")
+        return Thinking()
     kind = raw.get("type")
-    if kind == "enabled":
-        budget = fields.integer(raw, "budget_tokens", None, lo=1, hi=2**31)
-        if budget is None or budget >= max_tokens:
-            raise InvalidRequest("'thinking.budget_tokens' is required and must be less than "
-                                 "max_tokens", param="thinking.budget_tokens")
-    elif kind not in ("adaptive", "disabled", "between_tools"):
+    if kind not in ("enabled", "adaptive", "disabled", "between_tools"):
         raise InvalidRequest("'thinking.type' must be enabled, adaptive, disabled or "
                              "between_tools", param="thinking.type")
+    unknown(raw, frozenset({"type", "budget_tokens", "display"}), "thinking")
+    if kind != "enabled" and raw.get("budget_tokens") is not None:  # it would be ignored
+        raise InvalidRequest(f"'thinking.budget_tokens' is for thinking.type enabled, not "
+                             f"{kind}", param="thinking.budget_tokens")
     if raw.get("display") not in _DISPLAYS:
         raise InvalidRequest(f"'thinking.display' must be one of {_DISPLAYS[1:]}",
                              param="thinking.display")
-    return kind in ("enabled", "adaptive"), raw.get("display") == "omitted"
+    return Thinking(switch=kind in ("enabled", "adaptive"),
+                    budget=_budget(raw, max_tokens) if kind == "enabled" else None,
+                    omitted=raw.get("display") == "omitted")
 
 
 def _effort(config: Mapping[str, Any], where: str) -> str | None:
@@ -171,7 +200,7 @@ def _turn_effort(body: Mapping[str, Any]) -> str | None:
     return effort
 
 
-def _output(body: Mapping[str, Any], chat: dict[str, Any], switch: bool) -> None:
+def _output(body: Mapping[str, Any], chat: dict[str, Any], thinking: Thinking) -> None:
     """output_config (and the older top-level output_format): format and effort."""
     config = fields.obj(body, "output_config")
     unknown(config, frozenset({"format", "effort"}), "output_config")
@@ -189,8 +218,10 @@ def _output(body: Mapping[str, Any], chat: dict[str, Any], switch: bool) -> None
             "name": "output", "schema": form.get("schema")}}
     asked = _effort(config, "output_config")
     effort = _turn_effort(body) or asked
-    kwargs: dict[str, Any] = {"enable_thinking": switch}
-    if effort is not None and switch is False:  # the level for templates that read it
+    kwargs: dict[str, Any] = {"enable_thinking": thinking.switch}
+    if thinking.budget is not None:  # keyed (the runner cannot cut a thought short)
+        kwargs[THINKING_BUDGET] = thinking.budget
+    if effort is not None and thinking.switch is False:  # the level for templates that read it
         kwargs["reasoning_effort"] = _EFFORTS[effort]
     elif effort is not None:
         chat["reasoning_effort"] = _EFFORTS[effort]
@@ -227,9 +258,9 @@ def translate(body: Mapping[str, Any], cap: int, *, counting: bool = False
         shown = (_tool(t, f"tools[{i}]") for i, t in enumerate(body["tools"]))
         chat["tools"] = [tool for tool in shown if tool is not None]
     _tool_choice(body, chat)
-    switch, omitted = _thinking(body, asked or 2**31)
-    _output(body, chat, switch)
-    return chat, omitted
+    thinking = _thinking(body, asked or 2**31)
+    _output(body, chat, thinking)
+    return chat, thinking.omitted
 
 
 def parse_messages(body: object, defaults: RunnerDefaults, mode: SamplingMode, *,
