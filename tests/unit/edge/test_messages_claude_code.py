@@ -72,9 +72,12 @@ def test_context_edits_it_cannot_apply_are_refused_by_name(management: dict[str,
     assert refused.value.param == param
 
 
+SHOWN = {"name": "get_weather", "input_schema": SCHEMA}
+DEFERRED = {"name": "CronCreate", "input_schema": SCHEMA, "defer_loading": True}
+
+
 def test_a_deferred_tool_is_checked_and_not_shown_to_the_model() -> None:
-    shown = {"name": "get_weather", "input_schema": SCHEMA}
-    deferred = {"name": "CronCreate", "input_schema": SCHEMA, "defer_loading": True}
+    shown, deferred = SHOWN, DEFERRED
     ours = messages(tools=[shown, deferred])
     assert ours.request == messages(tools=[shown]).request
     assert key(ours) != key(messages(tools=[shown, {**deferred, "defer_loading": False}]))
@@ -84,6 +87,37 @@ def test_a_deferred_tool_is_checked_and_not_shown_to_the_model() -> None:
 
 
 LATE = {"role": "system", "content": "Now be quick."}
+
+
+@pytest.mark.parametrize(("tools", "choice", "param", "said"), [
+    ([SHOWN, DEFERRED], {"type": "tool", "name": "CronCreate"}, "tool_choice.name",
+     "'CronCreate' is a deferred tool (defer_loading true)"),
+    ([DEFERRED], {"type": "tool", "name": "CronCreate"}, "tool_choice.name",
+     "'CronCreate' is a deferred tool (defer_loading true)"),
+    ([SHOWN, DEFERRED], {"type": "tool", "name": "Nowhere"}, "tool_choice.name",
+     "'Nowhere' names no tool in 'tools'"),
+    ([SHOWN, DEFERRED], {"type": "tool"}, "tool_choice.name", "is required"),
+    ([DEFERRED], {"type": "any"}, "tool_choice", "every tool has defer_loading true"),
+    ([], {"type": "any"}, "tool_choice", "'any' needs tools"),
+])
+def test_tool_choice_cannot_force_a_tool_the_model_is_not_shown(
+    tools: list[Any], choice: dict[str, Any], param: str, said: str
+) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        messages(tools=tools, tool_choice=choice)
+    assert refused.value.param == param and said in refused.value.message
+
+
+@pytest.mark.parametrize(("choice", "mode"), [
+    ({"type": "tool", "name": "CronCreate"}, ("function", "CronCreate")),
+    ({"type": "any"}, ("required", "")),
+])
+def test_the_same_tool_choice_forces_a_tool_that_is_shown(choice: dict[str, Any],
+                                                          mode: tuple[str, str]) -> None:
+    # Control of the refusals above: shown (defer_loading false), the tool can be forced.
+    request = messages(tools=[SHOWN, {**DEFERRED, "defer_loading": False}],
+                       tool_choice=choice).request
+    assert (request.tool_choice, request.tool_name) == mode
 
 
 def test_a_system_turns_effort_governs_the_answer_asked_now() -> None:

@@ -5,9 +5,10 @@ The conversation becomes chat turns (`turns`); `tools` (`input_schema`), `tool_c
 (parallel_tool_calls false), `stop_sequences`, `max_tokens` (required; above the server's
 cap it is the cap: the answer then ends with `max_tokens` where the server stops it),
 `temperature`, `top_p`, `top_k`, `output_config.format` (a json_schema response_format) and
-`output_config.effort` (reasoning_effort; `max` is `xhigh`) map onto their chat forms (a
-tool with `defer_loading` is checked and not shown to the model: this server has no tool search
-to load it); `context_management` is applied to the turns (`context`);
+`output_config.effort` (reasoning_effort; `max` is `xhigh`) map onto their chat forms (tools
+and tool_choice in `tools`: a tool with `defer_loading` is checked and not shown to the model,
+this server having no tool search to load it); `context_management` is applied to the turns
+(`context`);
 `thinking` is the template's thinking switch (`enabled` and `adaptive` on, `disabled` and
 `between_tools` off; absent: off, as in Anthropic's API, where thinking is opt-in, whatever
 the template's default). `budget_tokens` (enabled thinking only; at least 1024 and less than
@@ -27,11 +28,11 @@ from typing import Any
 import orjson
 
 from cacheproxy.edge.apis.messages.context import edited
+from cacheproxy.edge.apis.messages.tools import tool_choice, tools
 from cacheproxy.edge.apis.messages.turns import turns, unknown
 from cacheproxy.errors import InvalidRequest, Unsupported
 from cacheproxy.keys import fields
 from cacheproxy.keys.canonical import Parsed, RunnerDefaults, parse
-from cacheproxy.keys.tools import NAME, check_schema
 from policies.sampling import SamplingMode
 
 # Fields that change nothing in the answer: accepted, validated, never keyed.
@@ -56,9 +57,6 @@ _EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", 
 # templates with a thinking budget read, e.g. Seed-OSS's).
 _MIN_BUDGET = 1024
 THINKING_BUDGET = "thinking_budget"
-_TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "strict",
-                        "cache_control", "eager_input_streaming", "input_examples",
-                        "defer_loading", "allowed_callers"})
 
 
 def _fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
@@ -78,56 +76,6 @@ def _fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
             raise InvalidRequest(f"'{name}' must be one of {list(allowed)}", param=name)
     for name in ("inference_geo", "user_profile_id", "workspace_id"):
         fields.string(body, name, "")
-
-
-def _tool(raw: object, where: str) -> dict[str, Any] | None:
-    """The chat tool of a Messages tool (None when deferred: its definition is not shown to
-    the model, as with Anthropic's tool search until a search loads it)."""
-    if not isinstance(raw, dict):
-        raise InvalidRequest(f"'{where}' must be an object", param=where)
-    if raw.get("type") not in (None, "custom"):
-        raise Unsupported(f"'{where}.type' {raw['type']!r}: only client tools with an "
-                          "input_schema are supported (Anthropic's server and built-in tools "
-                          "run on Anthropic's side)", param=f"{where}.type")
-    unknown(raw, _TOOL_KEYS, where)
-    if raw.get("input_examples"):
-        raise Unsupported(f"'{where}.input_examples' is not supported (put examples in the "
-                          "description)", param=f"{where}.input_examples")
-    if raw.get("allowed_callers") not in (None, ["direct"]):
-        raise Unsupported(f"'{where}.allowed_callers' other than direct is not supported",
-                          param=f"{where}.allowed_callers")
-    fields.boolean(raw, "eager_input_streaming", False)  # each call is streamed whole anyway
-    deferred = fields.boolean(raw, "defer_loading", False)
-    if not isinstance(raw.get("name"), str) or not NAME.fullmatch(raw["name"]):
-        raise InvalidRequest(f"'{where}.name' must be 1 to 64 letters, digits, '_' or '-'",
-                             param=f"{where}.name")
-    check_schema(raw.get("input_schema"), f"{where}.input_schema")
-    if deferred:
-        return None
-    function = {k: raw[k] for k in ("name", "description", "strict") if raw.get(k) is not None}
-    return {"type": "function", "function": {**function, "parameters": raw["input_schema"]}}
-
-
-def _tool_choice(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
-    raw = body.get("tool_choice")
-    if raw is None:
-        return
-    kind = raw.get("type") if isinstance(raw, dict) else None
-    if kind not in ("auto", "any", "tool", "none"):
-        raise InvalidRequest("'tool_choice.type' must be auto, any, tool or none",
-                             param="tool_choice")
-    unknown(raw, frozenset({"type", "name", "disable_parallel_tool_use"}), "tool_choice")
-    if not chat.get("tools"):
-        if kind in ("any", "tool"):
-            raise InvalidRequest(f"'tool_choice' {kind!r} needs tools", param="tool_choice")
-        return  # auto or none without tools: what a request without tools is
-    if kind == "tool":
-        chat["tool_choice"] = {"type": "function",
-                               "function": {"name": fields.string(raw, "name")}}
-    else:
-        chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
-    if fields.boolean(raw, "disable_parallel_tool_use", False) and kind != "none":
-        chat["parallel_tool_calls"] = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,12 +200,8 @@ def translate(body: Mapping[str, Any], cap: int, *, counting: bool = False
             chat[name] = body[name]
     if body.get("stop_sequences") is not None:
         chat["stop"] = list(fields.stop_list(body, "stop_sequences"))
-    if body.get("tools") is not None:
-        if not isinstance(body["tools"], list):
-            raise InvalidRequest("'tools' must be a list", param="tools")
-        shown = (_tool(t, f"tools[{i}]") for i, t in enumerate(body["tools"]))
-        chat["tools"] = [tool for tool in shown if tool is not None]
-    _tool_choice(body, chat)
+    deferred = tools(body, chat)
+    tool_choice(body, chat, deferred)
     thinking = _thinking(body, asked or 2**31)
     _output(body, chat, thinking)
     return chat, thinking.omitted
