@@ -140,6 +140,35 @@ async def test_a_streamed_hit_has_the_events_and_boundaries_of_the_miss(
         and e.delta.type == "text_delta")
 
 
+async def test_an_omitted_thought_goes_back_in_the_history_as_if_shown(
+    make_proxy: ProxyFactory
+) -> None:
+    proxy = await make_proxy()
+    omitted = {"type": "adaptive", "display": "omitted"}
+    hidden, h1 = await create(proxy, max_tokens=64, messages=FOX, thinking=omitted)
+    shown, h2 = await create(proxy, max_tokens=64, messages=FOX, thinking={"type": "adaptive"})
+    assert (h1["x-cache"], h2["x-cache"]) == ("MISS", "HIT")  # one answer, shown two ways
+    assert hidden.content[0].thinking == "" and shown.content[0].thinking
+    follow = {"role": "user", "content": "And the owl?"}
+
+    def history(reply: Any) -> list[dict[str, Any]]:  # as SDK users append a reply
+        return [*FOX, {"role": "assistant", "content": reply.content}, follow]
+
+    _, h3 = await create(proxy, max_tokens=64, messages=history(hidden), thinking=omitted)
+    _, h4 = await create(proxy, max_tokens=64, messages=history(shown), thinking=omitted)
+    assert (h3["x-cache"], h4["x-cache"]) == ("MISS", "HIT")
+    # Control: without the thought the history is another prompt, another entry.
+    bare = [*FOX, {"role": "assistant", "content": shown.content[1:]}, follow]
+    _, h5 = await create(proxy, max_tokens=64, messages=bare, thinking=omitted)
+    assert h5["x-cache"] == "MISS" and h5["x-cache-key"] != h3["x-cache-key"]
+    forged = [*FOX, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "", "signature": "EqQBCkgIAhABGAIiQ"},
+        *shown.content[1:]]}, follow]
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        await create(proxy, max_tokens=64, messages=forged, thinking=omitted)
+    assert "'messages[1].content[0].signature'" in refused.value.message
+
+
 async def test_tools_a_tool_result_turn_and_tool_choice(make_proxy: ProxyFactory) -> None:
     proxy = await make_proxy()
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]

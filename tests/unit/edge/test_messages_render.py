@@ -14,6 +14,7 @@ from cacheproxy.edge.apis.messages.render import body, whole_stream
 from cacheproxy.edge.render import Frame
 from cacheproxy.keys.canonical import Delivery
 from cacheproxy.keys.codec import Chunk, Output, ToolCallOut
+from cacheproxy.keys.responses_tools import opened
 
 EVENT = TypeAdapter(RawMessageStreamEvent)
 CALL = ToolCallOut(0, "get_weather", '{"city": "Lima"}')
@@ -58,13 +59,19 @@ def test_the_stream_builds_the_whole_message(finish: str, stop: str, reason: str
     assert body(frame(cached=True), output)["usage"]["cache_read_input_tokens"] == 10
 
 
-def test_omitted_thinking_keeps_its_blocks_and_signatures_without_the_text() -> None:
+def test_omitted_thinking_keeps_its_blocks_with_the_thought_sealed_as_the_signature() -> None:
     output = Output(CHUNKS, "stop", 10, 7)
     omitted = frame(b'{"omit_thinking": true}')
     whole = body(omitted, output)
-    assert [b["thinking"] for b in whole["content"] if b["type"] == "thinking"] == ["", ""]
+    thoughts = [b for b in whole["content"] if b["type"] == "thinking"]
+    assert [b["thinking"] for b in thoughts] == ["", ""]
+    assert [opened(b["signature"]) for b in thoughts] == ["I look it up.", "Done."]
     assert streamed(omitted, output)["content"] == whole["content"]
     assert b"thinking_delta" not in whole_stream(omitted, output)
+    # Control: a shown thought's signature is a token that seals nothing.
+    shown = [b for b in body(frame(), output)["content"] if b["type"] == "thinking"]
+    assert [b["thinking"] for b in shown] == ["I look it up.", "Done."]
+    assert [opened(b["signature"]) for b in shown] == [None, None]
 
 
 def test_a_failure_after_the_stream_began_is_an_error_event_in_anthropics_shape() -> None:

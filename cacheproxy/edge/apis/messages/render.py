@@ -2,11 +2,13 @@
 
 A generation is rendered as content blocks in the order it produced them: each run of
 thought a `thinking` block, each run of text a `text` block, each tool call a `tool_use`
-block. Tool-use ids and thinking signatures are derived from the cache key (as chat's call
-ids are), so a HIT and a regeneration give the same bytes; the message id is the response's
-own. A stream is Anthropic's events (`message_start`, `ping`, `content_block_start` /
-`_delta` / `_stop`, `message_delta`, `message_stop`), one stored or live chunk at a time,
-so a streamed HIT has the events and boundaries of the generation it replays.
+block. Tool-use ids and shown thoughts' signatures are derived from the cache key (as chat's
+call ids are), so a HIT and a regeneration give the same bytes; an omitted thought (display
+"omitted": its text empty) has the thought sealed as its signature, for the history to give
+back; the message id is the response's own. A stream is Anthropic's events
+(`message_start`, `ping`, `content_block_start` / `_delta` / `_stop`, `message_delta`,
+`message_stop`), one stored or live chunk at a time, so a streamed HIT has the events and
+boundaries of the generation it replays.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from cacheproxy.edge.apis.messages.errors import error_body
 from cacheproxy.edge.render import Frame
 from cacheproxy.errors import ProxyError
 from cacheproxy.keys.codec import Chunk, Output, ToolCallOut
+from cacheproxy.keys.responses_tools import seal
 
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
 
@@ -29,8 +32,12 @@ def tool_use_id(frame: Frame, index: int) -> str:
     return "toolu_" + xxhash.xxh3_64_hexdigest(f"{frame.key}/0/{index}".encode())
 
 
-def _signature(frame: Frame, index: int) -> str:
-    # Not a proof of origin as Anthropic's are: a stable token clients pass back unread.
+def _signature(frame: Frame, index: int, thought: str, omitted: bool) -> str:
+    """An omitted thought's signature is the thought sealed (the client sends it back in the
+    history and `turns` unseals it); a shown one's, a stable token clients pass back unread
+    (not a proof of origin as Anthropic's are)."""
+    if omitted:
+        return seal(thought)
     return "cacheproxy-" + xxhash.xxh3_64_hexdigest(f"{frame.key}/thinking/{index}".encode())
 
 
@@ -66,16 +73,12 @@ def call_text(call: ToolCallOut) -> str:
 def blocks(frame: Frame, output: Output) -> list[dict[str, Any]]:
     """The content blocks of a finished generation, as its stream ends them."""
     out: list[dict[str, Any]] = []
-    omitted = _omitted(frame)
     for chunk in output.chunks:
         for kind, text in (("thinking", chunk.reasoning), ("text", chunk.text)):
             if text and out and out[-1]["type"] == kind:
-                out[-1][kind] += "" if omitted and kind == "thinking" else text
-            elif text and kind == "thinking":
-                out.append({"type": "thinking", "thinking": "" if omitted else text,
-                            "signature": _signature(frame, len(out))})
+                out[-1][kind] += text
             elif text:
-                out.append({"type": "text", "text": text})
+                out.append({"type": kind, kind: text})
         for call in chunk.tool_calls:
             if (arguments := call_input(call)) is not None:
                 out.append(_tool_use(frame, call, arguments))
@@ -83,6 +86,11 @@ def blocks(frame: Frame, output: Output) -> list[dict[str, Any]]:
                 out[-1]["text"] += call_text(call)
             else:
                 out.append({"type": "text", "text": call_text(call)})
+    omitted = _omitted(frame)
+    for index, block in enumerate(out):
+        if block["type"] == "thinking":
+            block["signature"] = _signature(frame, index, block["thinking"], omitted)
+            block["thinking"] = "" if omitted else block["thinking"]
     return out
 
 
@@ -137,6 +145,7 @@ class MessagesStream:
         self._omitted = _omitted(frame)
         self._blocks = 0  # content blocks opened so far
         self._open = ""  # "thinking" | "text" | "": the kind of the open block
+        self._thought = ""  # the open thinking block's thought (its signature seals it)
 
     def start(self) -> bytes:
         """message_start, then a ping (as Anthropic sends them)."""
@@ -172,6 +181,8 @@ class MessagesStream:
         out = b""
         if self._open != kind:
             out += self._close() + self._start(kind)
+        if kind == "thinking":
+            self._thought += text
         if kind == "thinking" and self._omitted:
             return out
         delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else \
@@ -179,7 +190,7 @@ class MessagesStream:
         return out + _event("content_block_delta", {"index": self._blocks - 1, "delta": delta})
 
     def _start(self, kind: str) -> bytes:
-        self._open, index = kind, self._blocks
+        self._open, self._thought, index = kind, "", self._blocks
         self._blocks += 1
         block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" \
             else {"type": "text", "text": ""}
@@ -191,7 +202,8 @@ class MessagesStream:
         index, out = self._blocks - 1, b""
         if self._open == "thinking":
             out = _event("content_block_delta", {"index": index, "delta": {
-                "type": "signature_delta", "signature": _signature(self._frame, index)}})
+                "type": "signature_delta",
+                "signature": _signature(self._frame, index, self._thought, self._omitted)}})
         self._open = ""
         return out + _event("content_block_stop", {"index": index})
 
