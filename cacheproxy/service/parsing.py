@@ -52,6 +52,7 @@ class ParsePool:
         self.max_outstanding, self.max_per_scope = max_outstanding, max_per_scope
         self.timeout = timeout
         self.outstanding = 0  # submitted and not finished (a timed-out one still runs)
+        self.started = 0  # jobs started on the worker, ever (a figure for tests and status)
         self._waiting: dict[str, deque[_Job]] = {}
         self._by_scope: Counter[str] = Counter()
         self._turns: dict[str, int] = {}  # scope -> the turn it was last served in
@@ -91,6 +92,7 @@ class ParsePool:
         self._turn += 1
         self._turns[scope] = self._turn
         self._busy = True
+        self.started += 1
         queued.started.set()
         future = asyncio.get_running_loop().run_in_executor(self._executor, queued.run)
         future.add_done_callback(lambda f: self._ended(f, queued, scope))
