@@ -233,6 +233,7 @@ async def _serve(settings: Settings, batched: BatchedLines | None,
     watcher = None
     if runner.server is not None:
         guard = ConnectionGuard(runner.server, settings.max_connections,
+                                max_per_peer=settings.max_connections_per_peer,
                                 send_timeout=settings.send_timeout, counters=counters)
         guard.install()
         watcher = asyncio.create_task(guard.watch())
