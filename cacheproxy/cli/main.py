@@ -75,6 +75,9 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--max-in-flight", {"type": int, "help": "requests served at once before 503"}),
     ("--max-connections", {"type": int,
                            "help": "open client connections before new ones get 503"}),
+    ("--max-connections-per-peer", {"type": int,
+                                    "help": "of them, from one client address (loopback "
+                                            "too); past it its own oldest give way, or 503"}),
     ("--idle-timeout", {"type": float, "help": "seconds a connection may take to send a "
                         "request's headers, after it opens or after its last response"}),
     ("--body-timeout", {"type": float, "help": "seconds a request body may take (408)"}),
