@@ -15,10 +15,9 @@ from typing import Any, assert_never
 import orjson
 from aiohttp import hdrs, web
 
-from cacheproxy.edge import render
 from cacheproxy.edge.aiohttp_adapter import Body, Rendered, forget_frames, header_lines
 from cacheproxy.edge.apis import APIS, Stream
-from cacheproxy.edge.render import ResponseIds
+from cacheproxy.edge.apis.frame import Frame, ResponseIds
 from cacheproxy.edge.route import JSON, Handler
 from cacheproxy.edge.state import BODIES, CACHE_LOG, IDENTITY, HitPath
 from cacheproxy.errors import ClientGone, ProxyError, UnreadableBody
@@ -85,15 +84,15 @@ def handler(route: Route, hot: HitPath) -> Handler:
     return partial(_complete, endpoint=route, hot=hot)
 
 
-def _body_of(frame: render.Frame, output: Output) -> dict[str, Any]:
+def _body_of(frame: Frame, output: Output) -> dict[str, Any]:
     return APIS[frame.delivery.api].body(frame, output)
 
 
-def _stream_of(frame: render.Frame) -> Stream:
+def _stream_of(frame: Frame) -> Stream:
     return APIS[frame.delivery.api].stream(frame)
 
 
-def _whole_stream(frame: render.Frame, output: Output) -> bytes:
+def _whole_stream(frame: Frame, output: Output) -> bytes:
     return APIS[frame.delivery.api].whole_stream(frame, output)
 
 
@@ -193,7 +192,7 @@ def _stored_or_why(answer: Flowing, info: dict[str, Any]) -> Reason:
     return why
 
 
-def _generated_body(flight: Flight, frame: render.Frame, output: Output) -> Body:
+def _generated_body(flight: Flight, frame: Frame, output: Output) -> Body:
     """A whole answer of a flight, rendered once for all its readers of one delivery (the
     id and time filled per reader): a hundred followers of a large answer cost one
     rendering, and share its bytes while they are sent."""
@@ -206,8 +205,8 @@ def _generated_body(flight: Flight, frame: render.Frame, output: Output) -> Body
     return template.render(frame.id, frame.created)
 
 
-def _prefilled(frame: render.Frame, flight: Flight, headers: dict[str, str],
-               info: dict[str, Any]) -> render.Frame:
+def _prefilled(frame: Frame, flight: Flight, headers: dict[str, str],
+               info: dict[str, Any]) -> Frame:
     """A generated answer's prefill in its headers, its usage and (for the one that ran it)
     its access line."""
     prefill = flight.prefill
@@ -228,10 +227,9 @@ def _log_fields(status: CacheStatus, reason: Reason, short_key: str, model: str
 
 
 def _frame(parsed: Parsed, fingerprint: str, key: str, response_id: str, created: int, *,
-           cached: bool) -> render.Frame:
-    return render.Frame(response_id, created, parsed.request.model, fingerprint,
-                        parsed.request.endpoint, parsed.delivery, parsed.request.logprobs,
-                        cached=cached, key=key)
+           cached: bool) -> Frame:
+    return Frame(response_id, created, parsed.request.model, fingerprint, parsed.delivery,
+                 parsed.request.logprobs, cached=cached, key=key)
 
 
 def _cache_headers(status: CacheStatus, reason: Reason, key: str, fingerprint: str,
@@ -249,7 +247,7 @@ def _cache_headers(status: CacheStatus, reason: Reason, key: str, fingerprint: s
     return headers
 
 
-async def _stream(request: web.Request, answer: Flowing, frame: render.Frame,
+async def _stream(request: web.Request, answer: Flowing, frame: Frame,
                   headers: dict[str, str]) -> web.StreamResponse:
     """A live generation (leader or follower): each chunk is sent as it is generated."""
     response = web.StreamResponse(headers={**headers, "Content-Type": SSE})
@@ -263,7 +261,7 @@ async def _stream(request: web.Request, answer: Flowing, frame: render.Frame,
     return response
 
 
-async def _relay(response: web.StreamResponse, answer: Flowing, frame: render.Frame,
+async def _relay(response: web.StreamResponse, answer: Flowing, frame: Frame,
                  info: dict[str, Any]) -> None:
     flight, stream = answer.flight, _stream_of(frame)
     await response.write(stream.start())

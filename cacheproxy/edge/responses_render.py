@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 import xxhash
 
-from cacheproxy.edge.render import Frame, call_id
+from cacheproxy.edge.apis.frame import Frame, call_id
 from cacheproxy.errors import ProxyError
 from cacheproxy.keys.codec import Chunk, Output, ToolCallOut
 from cacheproxy.keys.responses_tools import seal

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from cacheproxy.edge.apis.frame import ResponseIds
 from cacheproxy.edge.bodies import BodyReads
-from cacheproxy.edge.render import ResponseIds
 from cacheproxy.edge.routing import Router
 from cacheproxy.observe.metrics import Metrics
 from cacheproxy.service.invalidation import Invalidator

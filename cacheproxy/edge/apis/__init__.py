@@ -13,20 +13,23 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cacheproxy.edge import render, responses_render
+from cacheproxy.edge import responses_render
+from cacheproxy.edge.apis import chat, completions
+from cacheproxy.edge.apis.chat import render as chat_render
+from cacheproxy.edge.apis.completions import render as completions_render
+from cacheproxy.edge.apis.frame import Frame
 from cacheproxy.edge.apis.messages import errors as messages_errors
 from cacheproxy.edge.apis.messages import render as messages_render
 from cacheproxy.edge.apis.messages.request import parse_messages
 from cacheproxy.errors import ProxyError
-from cacheproxy.keys.canonical import Parsed, Route, RunnerDefaults, parse
+from cacheproxy.keys.canonical import Route
 from cacheproxy.keys.codec import Chunk, Output
 from cacheproxy.keys.responses import parse_responses
 from cacheproxy.service.memos import Parse
-from policies.sampling import SamplingMode
 
 
 class Stream(Protocol):
-    """The events of one streamed answer in its API (render.ChatStream, ResponsesStream...)."""
+    """The events of one streamed answer in its API (ChatStream, ResponsesStream...)."""
 
     done: bytes
 
@@ -47,31 +50,19 @@ class Api:
     paths: tuple[str, ...]  # POST routes answered through the cache
     id_head: str  # of its response ids
     parse: Parse
-    body: Callable[[render.Frame, Output], dict[str, Any]]
-    stream: Callable[[render.Frame], Stream]
-    whole_stream: Callable[[render.Frame, Output], bytes]
+    body: Callable[[Frame, Output], dict[str, Any]]
+    stream: Callable[[Frame], Stream]
+    whole_stream: Callable[[Frame, Output], bytes]
     error: Callable[[ProxyError], dict[str, object]] = _openai_error
     key_header: str = ""  # a header that carries the API key besides `Authorization: Bearer`
 
 
-def _chat(body: object, defaults: RunnerDefaults, mode: SamplingMode, *,
-          max_tokens_cap: int | None = None, max_answer_tokens: int | None = None) -> Parsed:
-    return parse(body, "chat", defaults, mode, max_tokens_cap=max_tokens_cap,
-                 max_answer_tokens=max_answer_tokens)
-
-
-def _completions(body: object, defaults: RunnerDefaults, mode: SamplingMode, *,
-                 max_tokens_cap: int | None = None,
-                 max_answer_tokens: int | None = None) -> Parsed:
-    return parse(body, "completions", defaults, mode, max_tokens_cap=max_tokens_cap,
-                 max_answer_tokens=max_answer_tokens)
-
-
 APIS: Mapping[Route, Api] = {
-    "chat": Api(("/v1/chat/completions",), "chatcmpl-", _chat, render.body, render.ChatStream,
-                render.whole_stream),
-    "completions": Api(("/v1/completions",), "cmpl-", _completions, render.body,
-                       render.ChatStream, render.whole_stream),
+    "chat": Api(("/v1/chat/completions",), "chatcmpl-", chat.parse, chat_render.body,
+                chat_render.ChatStream, chat_render.whole_stream),
+    "completions": Api(("/v1/completions",), "cmpl-", completions.parse,
+                       completions_render.body, completions_render.CompletionStream,
+                       completions_render.whole_stream),
     "responses": Api(("/v1/responses",), "resp_", parse_responses, responses_render.response,
                      responses_render.ResponsesStream, responses_render.whole_stream),
     "messages": Api(("/v1/messages",), "msg_", parse_messages, messages_render.body,

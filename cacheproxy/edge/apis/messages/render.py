@@ -16,8 +16,8 @@ from typing import Any
 import orjson
 import xxhash
 
+from cacheproxy.edge.apis.frame import Frame
 from cacheproxy.edge.apis.messages.errors import error_body
-from cacheproxy.edge.render import Frame
 from cacheproxy.errors import ProxyError
 from cacheproxy.keys.codec import Chunk, Output, ToolCallOut
 
