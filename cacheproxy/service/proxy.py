@@ -1,8 +1,8 @@
 """CachingProxy: the order of operations for one request.
 
-0. a repeat of a remembered HIT (the same body bytes, no Cache-Control): served again as
-   it was while the memo's rule holds (see `memos`)             -> HIT, nothing re-derived
-   (`recall` is this step alone, without I/O or a coroutine: the edge asks it first)
+0. (the edge) a repeat of a remembered HIT (the same body bytes, no Cache-Control): the edge
+   sends its remembered response again while the service vouches for the HIT (`holds`
+   without I/O or a coroutine, else `still_stored`; the rule is in `memos`) -> HIT
 1. parse: validate the body, build the canonical request and the sampling decision (400s);
    a body with schemas, or a large one, on the parse pool (never on the loop: `parsing`)
 2. wait while a reload holds requests; key = make_key(request, serving fingerprint)
@@ -35,7 +35,7 @@ from cacheproxy.service.breaker import StoreUnavailable
 from cacheproxy.service.fill import Filler, FillOrder
 from cacheproxy.service.fleet import Fleet
 from cacheproxy.service.flights import Flight, Flights
-from cacheproxy.service.memos import Memos, Parse, Repeat, RepeatKey
+from cacheproxy.service.memos import Memos, Parse
 from cacheproxy.service.parsing import ParseMemo, ParsePool
 from cacheproxy.service.storage import StoreAccess
 from policies.cache_control import parse_cache_control
@@ -60,6 +60,17 @@ class Stored:
 
 
 @dataclass(frozen=True, slots=True)
+class Held:
+    """A HIT as the service can vouch for it again (`holds`, `still_stored`): the store's
+    bytes under its key, served under that very fingerprint object."""
+
+    fingerprint: Fingerprint  # compared by `is`: a reload makes another object
+    key: CacheKey
+    data: bytes
+    created_at: float  # of the stored record
+
+
+@dataclass(frozen=True, slots=True)
 class Flowing:
     """An answer that comes through a flight: generated, followed, or replayed by a fill."""
 
@@ -73,7 +84,7 @@ class Flowing:
     age: float = 0.0  # of the stored record a fill replayed
 
 
-Answer = Repeat | Stored | Flowing
+Answer = Stored | Flowing
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,7 +144,6 @@ class CachingProxy:
         self.memos = Memos(parser=ParseMemo(parsers, max_tokens_cap=options.max_tokens_cap,
                                             max_answer_tokens=options.max_answer_tokens,
                                             schema_budget=options.schema_budget, pool=pool))
-        self._repeats = self.memos.repeats
         self.storage = StoreAccess(store, store_retry=options.store_retry, ttl=options.ttl,
                                    decoded=self.memos.decoded)
         self.breaker = self.storage.breaker
@@ -145,26 +155,9 @@ class CachingProxy:
         self._filler = Filler(runner, self.storage, fleet,
                               generation_timeout=options.generation_timeout, clock=clock)
 
-    def recall(self, endpoint: Route, raw: bytes, scope: str) -> Repeat | None:
-        """Step 0 where it needs no I/O: the remembered HIT of these bytes, when the store
-        holds it in this process (memory, a tiered store's L1) and the rule holds; None
-        otherwise (then `answer` takes every step, step 0 with the store's re-read too).
-        Synchronous because a coroutine costs ~1.5 % of a repeat HIT (callgrind)."""
-        repeat = self._repeats.get((endpoint, scope, raw))
-        if repeat is not None and self._still_held(repeat):
-            return repeat
-        return None
-
     async def answer(self, endpoint: Route, raw: bytes, scope: str = "",
                      control: str | None = None) -> Answer:
         """Find or produce the answer to a request body (the order of operations above)."""
-        if control is None:  # 0: a remembered HIT (the hit path: the fewest steps possible)
-            memo_key = (endpoint, scope, raw)
-            repeat = self._repeats.get(memo_key)
-            if repeat is not None:
-                if self._still_held(repeat) or await self._still_stored(repeat):
-                    return repeat
-                self._repeats.forget(memo_key)
         parser, defaults = self.memos.parser, self.runner.defaults()
         parsed = parser.known(raw, endpoint, defaults, self.options.sampling, scope) or \
             await parser.parse_off_loop(raw, endpoint, defaults, self.options.sampling, scope)
@@ -228,44 +221,47 @@ class CachingProxy:
         return Flowing(parsed, status, the_plan.reason, key, fingerprint, flight,
                        the_plan.stores, age)
 
-    def remember(self, memo_key: RepeatKey, repeat: Repeat) -> None:
-        """Keep a HIT rendered by the edge for the repeats of its body, while the
-        fingerprint it was keyed under is the one serving."""
-        if self.runner.fingerprint() is repeat.fingerprint:
-            self.memos.repeats.remember(memo_key, repeat)
+    def hold(self, hit: Stored) -> Held | None:
+        """The HIT as the service can vouch for it again, while the fingerprint it was keyed
+        under is the one serving (else None: nothing to remember)."""
+        if self.runner.fingerprint() is not hit.serving:
+            return None
+        created = float(hit.record.provenance.get("created_at", 0.0))
+        return Held(hit.serving, hit.key, hit.data, created)
 
-    def _serving_as_then(self, repeat: Repeat) -> bool:
-        """The conditions of a remembered HIT that need no store: no reload in progress,
-        that very fingerprint serving, the store's breaker closed."""
-        return self._gate_open() and self.runner.fingerprint() is repeat.fingerprint and \
-            self.breaker.closed
-
-    def _still_held(self, repeat: Repeat) -> bool:
-        """_still_stored() answered without I/O, where the store holds the value in this
-        process (memory, a tiered store's L1): True when it holds. False never means the
-        HIT is gone: ask _still_stored then."""
+    def holds(self, hit: Held) -> bool:
+        """Whether the full path would serve `hit` again, answered without I/O where the
+        store holds the value in this process (memory, a tiered store's L1). False never
+        means the HIT is gone: ask `still_stored` then. Synchronous because a coroutine costs
+        ~1.5 % of a repeat HIT (callgrind)."""
         peek = self._peek
         # _serving_as_then, inlined: this is on every repeat HIT.
         if peek is None or not self._gate_open() or \
-                self.runner.fingerprint() is not repeat.fingerprint or not self.breaker.closed:
+                self.runner.fingerprint() is not hit.fingerprint or not self.breaker.closed:
             return False
         try:
-            return peek(repeat.key) == repeat.data  # bytes compare identity first
+            return peek(hit.key) == hit.data  # bytes compare identity first
         except BackendError:  # closed: the full path says what that means
             return False
 
-    async def _still_stored(self, repeat: Repeat) -> bool:
+    async def still_stored(self, hit: Held) -> bool:
         """The gate is open, the runner serves that very fingerprint, the breaker is closed
         and the store returns the same bytes: the full path would give the same answer."""
-        if not self._serving_as_then(repeat):
+        if not self._serving_as_then(hit):
             return False
         try:
-            now = await self.storage.get(repeat.key)
+            now = await self.storage.get(hit.key)
         except StoreUnavailable as exc:
             # The breaker is open now: the full path answers without the store, and counts.
-            self.storage.failed("get", repeat.key, exc, count=False)
+            self.storage.failed("get", hit.key, exc, count=False)
             return False
-        return now == repeat.data
+        return now == hit.data
+
+    def _serving_as_then(self, hit: Held) -> bool:
+        """The conditions of a remembered HIT that need no store: no reload in progress,
+        that very fingerprint serving, the store's breaker closed."""
+        return self._gate_open() and self.runner.fingerprint() is hit.fingerprint and \
+            self.breaker.closed
 
     async def aclose(self) -> None:
         """Cancel fills in progress; drop the parses not started."""
