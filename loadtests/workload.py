@@ -8,12 +8,17 @@ about the demo model's animals (rank r has weight 1/r**s), sent open-loop at --r
 per second for --duration seconds: first all directly to the server (the honest baseline:
 it batches concurrent requests), then the identical sequence through the proxy.
 
-Reports the hit rate over time, p50/p99 latency of both, the generation seconds saved
+With `--decode-slots S` (repeatable), the same sequence is sent once more for each S to a
+`cacheproxy serve` whose in-process runner generates on the same model with `--decode-slots S`
+(pinned-shape batching, #31): each answer bit-identical to its answer alone at that S.
+
+Reports the hit rate over time, p50/p99 latency of each, the generation seconds saved
 (for every HIT or COALESCED answer, the latency of that prompt's MISS) and how many
 generations single-flight avoided (COALESCED). Plots hit rate and latency over time.
 
     python loadtests/workload.py                        # 120 s per phase, 20 req/s, s=1.1
     python loadtests/workload.py --exponent 0.8 --rate 30 --duration 60
+    python loadtests/workload.py --duration 60 --decode-slots 8   # + in-process, S = 8
     python loadtests/workload.py --smoke --out /tmp/w    # 3 s per phase
 """
 
@@ -110,53 +115,60 @@ def buckets(samples: list[Sample], width: float) -> list[list[Sample]]:
     return out
 
 
-def summary(direct: list[Sample], proxy: list[Sample], args: argparse.Namespace) -> str:
-    caches = Counter(s.cache for s in proxy)
-    served = len(proxy)
-    hits = caches["HIT"] + caches["COALESCED"]
-    ok = {name: sum(1 for s in xs if s.status == 200) for name, xs in
-          (("direct", direct), ("proxy", proxy))}
+Phase = tuple[str, list[Sample]]
+"""A phase's name and its samples (the direct one first)."""
+
+
+def summary(phases: list[Phase], args: argparse.Namespace) -> str:
     rows = []
-    for name, xs in (("direct to mlx_lm.server", direct), ("through cacheproxy", proxy)):
+    direct_p99 = None
+    for name, xs in phases:
         lat = [s.latency * 1000 for s in xs if s.status == 200]
-        rows.append([name, len(xs), ok["direct" if xs is direct else "proxy"],
-                     f"{pct(lat, 0.5):.1f}", f"{pct(lat, 0.99):.1f}",
+        p99 = pct(lat, 0.99)
+        direct_p99 = p99 if direct_p99 is None else direct_p99
+        rows.append([name, len(xs), sum(1 for s in xs if s.status == 200),
+                     f"{pct(lat, 0.5):.1f}", f"{p99:.1f}", f"{p99 / direct_p99:.2f}",
                      f"{sum(lat) / 1000:.1f}"])
     head = (f"Zipf s={args.exponent} over {args.distinct} prompts, {args.rate:g} req/s "
             f"open-loop for {args.duration:g} s per phase, greedy, max_tokens "
             f"{args.max_tokens}; proxy store memory://\n\n")
-    lat_table = table(["path", "requests", "200 OK", "p50 ms", "p99 ms",
+    lat_table = table(["path", "requests", "200 OK", "p50 ms", "p99 ms", "p99 / direct",
                        "sum of latencies s"], rows, "l")
-    last = buckets(proxy, args.bucket)[-1] if proxy else []
-    last_rate = (sum(1 for s in last if s.cache in ("HIT", "COALESCED")) / len(last)
-                 if last else float("nan"))
+    cache_rows = []
+    for name, proxy in phases[1:]:
+        caches = Counter(s.cache for s in proxy)
+        served = len(proxy)
+        hits = caches["HIT"] + caches["COALESCED"]
+        last = buckets(proxy, args.bucket)[-1] if proxy else []
+        last_rate = (sum(1 for s in last if s.cache in ("HIT", "COALESCED")) / len(last)
+                     if last else float("nan"))
+        cache_rows.append([
+            name, caches["HIT"], caches["MISS"], caches["COALESCED"],
+            served - caches["HIT"] - caches["MISS"] - caches["COALESCED"],
+            f"{hits / served:.3f}" if served else "-", f"{last_rate:.3f}",
+            f"{saved_seconds(proxy):.1f}"])
     cache_table = table(
-        ["X-Cache HIT", "MISS", "COALESCED (generations avoided by single-flight)", "other",
-         "hit rate (HIT+COALESCED)", f"hit rate, last {args.bucket:g} s",
-         "generation seconds saved"],
-        [[caches["HIT"], caches["MISS"], caches["COALESCED"],
-          served - caches["HIT"] - caches["MISS"] - caches["COALESCED"],
-          f"{hits / served:.3f}" if served else "-", f"{last_rate:.3f}",
-          f"{saved_seconds(proxy):.1f}"]])
+        ["path", "X-Cache HIT", "MISS", "COALESCED (generations avoided by single-flight)",
+         "other", "hit rate (HIT+COALESCED)", f"hit rate, last {args.bucket:g} s",
+         "generation seconds saved"], cache_rows, "l")
     return head + lat_table + "\n\n" + cache_table
 
 
-def plot(direct: list[Sample], proxy: list[Sample], args: argparse.Namespace) -> Path:
+def plot(phases: list[Phase], args: argparse.Namespace) -> Path:
     fig, axes = figure(1, 2, (12, 4))
     hit_ax, lat_ax = axes[0]
     w = args.bucket
-    pb = buckets(proxy, w)
-    xs = [(k + 0.5) * w for k in range(len(pb))]
-    hit_ax.plot(xs, [sum(1 for s in b if s.cache == "HIT") / len(b) if b else 0 for b in pb],
-                label="HIT")
-    hit_ax.plot(xs, [sum(1 for s in b if s.cache in ("HIT", "COALESCED")) / len(b) if b else 0
-                     for b in pb], label="HIT + COALESCED")
+    for name, proxy in phases[1:]:
+        pb = buckets(proxy, w)
+        xs = [(k + 0.5) * w for k in range(len(pb))]
+        hit_ax.plot(xs, [sum(1 for s in b if s.cache in ("HIT", "COALESCED")) / len(b)
+                         if b else 0 for b in pb], label=f"{name}: HIT + COALESCED")
     hit_ax.set_ylim(0, 1)
     hit_ax.set_xlabel("seconds")
     hit_ax.set_ylabel(f"fraction of requests ({w:g} s buckets)")
     hit_ax.set_title(f"cacheproxy hit rate (Zipf s={args.exponent}, {args.distinct} prompts)")
     hit_ax.legend(fontsize=8)
-    for name, samples in (("direct", direct), ("cacheproxy", proxy)):
+    for name, samples in phases:
         bs = buckets(samples, w)
         bx = [(k + 0.5) * w for k in range(len(bs))]
         for p, style in ((0.5, "-"), (0.99, ":")):
@@ -183,17 +195,26 @@ def main(args: argparse.Namespace) -> int:
                             str(model_dir), "--model-id", "demo", "--store", "memory://",
                             "--queue-size", "4096")
         print(f"direct phase: {len(sequence)} requests", file=sys.stderr, flush=True)
-        direct = asyncio.run(phase(upstream.url + PATH, "default_model", prompts, sequence,
-                                   args.rate, args.max_tokens))
-        print("proxy phase", file=sys.stderr, flush=True)
-        proxied = asyncio.run(phase(proxy.url + PATH, "demo", prompts, sequence, args.rate,
-                                    args.max_tokens))
+        phases: list[Phase] = [("direct to mlx_lm.server", asyncio.run(phase(
+            upstream.url + PATH, "default_model", prompts, sequence, args.rate,
+            args.max_tokens)))]
+        print("proxy phase (upstream)", file=sys.stderr, flush=True)
+        phases.append(("through cacheproxy (upstream)", asyncio.run(phase(
+            proxy.url + PATH, "demo", prompts, sequence, args.rate, args.max_tokens))))
+        for slots in args.decode_slots:
+            proxy = start_proxy(procs, work, "--model", str(model_dir), "--model-id", "demo",
+                                "--store", "memory://", "--queue-size", "4096",
+                                "--decode-slots", str(slots))
+            print(f"proxy phase (in-process, S = {slots})", file=sys.stderr, flush=True)
+            phases.append((f"through cacheproxy (in-process, S = {slots})", asyncio.run(
+                phase(proxy.url + PATH, "demo", prompts, sequence, args.rate,
+                      args.max_tokens))))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "workload.json").write_text(json.dumps(
         {"runtime": runtime_line(), "args": {k: str(v) for k, v in vars(args).items()},
-         "direct": [asdict(s) for s in direct], "proxy": [asdict(s) for s in proxied]}))
-    plot(direct, proxied, args)
-    print(summary(direct, proxied, args))
+         "phases": {name: [asdict(s) for s in samples] for name, samples in phases}}))
+    plot(phases, args)
+    print(summary(phases, args))
     return 0
 
 
@@ -206,13 +227,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--bucket", type=float, default=10.0, help="seconds per plotted bucket")
     p.add_argument("--seed", type=int, default=7, help="seed of the prompt sequence")
+    p.add_argument("--decode-slots", type=int, action="append", default=[], metavar="S",
+                   help="also through an in-process runner at --decode-slots S (repeatable)")
     p.add_argument("--smoke", action="store_true", help="3 s per phase, 10 req/s")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if args.smoke:
         args.distinct, args.rate, args.duration, args.bucket = 50, 10.0, 3.0, 1.0
-    if args.rate <= 0 or args.duration <= 0 or args.distinct < 1:
-        p.error("--rate, --duration and --distinct must be positive")
+    if args.rate <= 0 or args.duration <= 0 or args.distinct < 1 or \
+            any(s < 1 for s in args.decode_slots):
+        p.error("--rate, --duration, --distinct and --decode-slots must be positive")
     return args
 
 
