@@ -209,7 +209,7 @@ def test_the_stream_opens_the_items_the_final_response_holds(finish: str) -> Non
     # A thought, text, a call, more text (and a second thought): the items are the runs in
     # the order they came, each with an id of its own, in the stream and in the response.
     from cacheproxy.edge.apis.frame import Frame
-    from cacheproxy.edge.responses_render import whole_stream
+    from cacheproxy.edge.apis.responses.render import whole_stream
     from cacheproxy.keys.canonical import Delivery
     from cacheproxy.keys.codec import Chunk, Output, ToolCallOut
 

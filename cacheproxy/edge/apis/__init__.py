@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cacheproxy.edge import responses_render
 from cacheproxy.edge.apis import chat, completions
 from cacheproxy.edge.apis.chat import render as chat_render
 from cacheproxy.edge.apis.completions import render as completions_render
@@ -21,10 +20,11 @@ from cacheproxy.edge.apis.frame import Frame
 from cacheproxy.edge.apis.messages import errors as messages_errors
 from cacheproxy.edge.apis.messages import render as messages_render
 from cacheproxy.edge.apis.messages.request import parse_messages
+from cacheproxy.edge.apis.responses import render as responses_render
+from cacheproxy.edge.apis.responses.request import parse_responses
 from cacheproxy.errors import ProxyError
 from cacheproxy.keys.canonical import Route
 from cacheproxy.keys.codec import Chunk, Output
-from cacheproxy.keys.responses import parse_responses
 from cacheproxy.service.memos import Parse
 
 

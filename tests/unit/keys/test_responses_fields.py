@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from cacheproxy.edge.apis.responses.request import translate
+from cacheproxy.edge.apis.responses.tools import seal, unseal
 from cacheproxy.errors import InvalidRequest, Unsupported
-from cacheproxy.keys.responses import translate
-from cacheproxy.keys.responses_tools import seal, unseal
 from tests.unit.keys.test_tools import key
 
 ASK = {"input": "Hi"}

@@ -29,8 +29,9 @@ from typing import Any
 
 import orjson
 
+from cacheproxy.edge.apis.responses import tools as responses_tools
 from cacheproxy.errors import InvalidRequest, Unsupported
-from cacheproxy.keys import fields, responses_tools
+from cacheproxy.keys import fields
 from cacheproxy.keys import tools as tooling
 from cacheproxy.keys.canonical import PASSED, Parsed, RunnerDefaults, parse
 from policies.sampling import SamplingMode
