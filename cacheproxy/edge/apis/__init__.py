@@ -2,9 +2,10 @@
 canonical request, how an answer is rendered (whole, streamed live, streamed from the
 store), its response ids and its error shape.
 
-Adding an API is a sub-package (its parse, render and errors, as `messages/`) and one line
-in `APIS`; the routes in the table are POSTed to the shared answer path (`answers`), and an
-API's other routes (such as count_tokens) are listed beside it in `app`.
+Adding an API is a sub-package (its `__init__` with its parse, and its error shape if not
+OpenAI's; its `render`: as `chat/`) and one line in `APIS` (README: "Adding an API"); the
+routes in the table are POSTed to the shared answer path (`answers`), and an API's other
+routes (such as count_tokens) are listed beside it in `app`.
 """
 
 from __future__ import annotations
