@@ -122,8 +122,7 @@ def _stored_hit(request: web.Request, hit: Stored, proxy: CachingProxy,
                                             hit.parsed.request.model)
     output = hit.record.output
     info["tokens"] = output.completion_tokens
-    ms = hit.record.provenance.get("generation_ms")
-    info["runner_ms"] = float(ms) if isinstance(ms, int | float) else 0.0
+    info["runner_ms"] = hit.generation_ms
     headers = _cache_headers(hit.status, hit.reason, hit.key, hit.fingerprint, hit.parsed,
                              stores=True, age=hit.age, ttl=proxy.options.ttl)
     template = _hit_template(hot.templates, hit)

@@ -55,7 +55,9 @@ class Stored:
     record: codec.Record
     data: bytes  # the record as the store returned it
     age: float
-    serving: Fingerprint  # the very object it was keyed under (see `remember`)
+    serving: Fingerprint  # the very object it was keyed under (see `hold`)
+    created_at: float  # of the record (provenance, typed)
+    generation_ms: float  # what generating it took (0.0 when the record does not say)
     status: CacheStatus = CacheStatus.HIT
 
 
@@ -120,6 +122,16 @@ def _not_recorded(route: Route, parsed: Parsed, key: CacheKey) -> NotRecorded:
         "by serving without --replay, or add it to the recording", request=request.wire())
 
 
+def _stored(parsed: Parsed, reason: Reason, key: CacheKey, fingerprint: str,
+            found: tuple[codec.Record, bytes], age: float, serving: Fingerprint) -> Stored:
+    """A HIT with the times of its provenance read once, typed."""
+    record, data = found
+    ms = record.provenance.get("generation_ms")
+    return Stored(parsed, reason, key, fingerprint, record, data, age, serving,
+                  created_at=float(record.provenance.get("created_at", 0.0)),
+                  generation_ms=float(ms) if isinstance(ms, int | float) else 0.0)
+
+
 async def _always_open() -> None:
     return None
 
@@ -179,8 +191,8 @@ class CachingProxy:
             case Action.SERVE:
                 if found is None:
                     raise RuntimeError("a plan to serve a stored answer, without one")
-                return Stored(parsed, the_plan.reason, key, fingerprint, found[0], found[1],
-                              lookup.age, serving)
+                return _stored(parsed, the_plan.reason, key, fingerprint, found, lookup.age,
+                               serving)
             case Action.FILL | Action.FOLLOW | Action.REGENERATE | Action.GENERATE:
                 return await self._execute(the_plan, parsed, key, fingerprint,
                                            None if found is None else found[0], scope)
@@ -226,8 +238,7 @@ class CachingProxy:
         under is the one serving (else None: nothing to remember)."""
         if self.runner.fingerprint() is not hit.serving:
             return None
-        created = float(hit.record.provenance.get("created_at", 0.0))
-        return Held(hit.serving, hit.key, hit.data, created)
+        return Held(hit.serving, hit.key, hit.data, hit.created_at)
 
     def holds(self, hit: Held) -> bool:
         """Whether the full path would serve `hit` again, answered without I/O where the
