@@ -126,8 +126,7 @@ def _stored_hit(request: web.Request, hit: Stored, proxy: CachingProxy,
     headers = _cache_headers(hit.status, hit.reason, hit.key, hit.fingerprint, hit.parsed,
                              stores=True, age=hit.age, ttl=proxy.options.ttl)
     template = _hit_template(hot.templates, hit)
-    held = proxy.hold(hit) if memo_key is not None else None
-    if memo_key is not None and held is not None:
+    if memo_key is not None and (held := proxy.hold(hit)) is not None:
         ttl = proxy.options.ttl
         changing = ("Age", "Cache-Control") if ttl is not None else ("Age",)
         fixed = [(k, v) for k, v in headers.items() if k not in changing]
