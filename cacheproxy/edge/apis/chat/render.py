@@ -112,7 +112,7 @@ class ChatStream:
     def end(self, output: Output) -> bytes:
         """The finish reason, and usage when asked."""
         frame = self._frame
-        closing = {"delta": {}, "logprobs": None}
+        closing: dict[str, Any] = {"delta": {}, "logprobs": None}
         out = [stream_chunk(frame, _CHUNK,
                             each_choice(frame, closing, finish_reason(frame, output)))]
         if frame.delivery.include_usage:
