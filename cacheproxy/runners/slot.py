@@ -102,9 +102,9 @@ class Slot:
         return self._finish == "cancelled" or self.plan.max_tokens <= 0
 
     def sample(self, logits: Any) -> tuple[Any, Any, Any]:
-        """Its next token, the log-probabilities it was drawn from and the decision's gap
-        (`margins`), from its (1, V) row of a decode step's logits (lazy: the lane evaluates
-        every row's at once)."""
+        """Its next token, the log-probabilities it was drawn from and the decision its gap
+        is measured from (`margins.Trail.add`'s arguments, or None), from its (1, V) row of a
+        decode step's logits (lazy: the lane evaluates every row's at once)."""
         import mlx.core as mx
 
         if self.plan.processors:
@@ -113,17 +113,17 @@ class Slot:
                 logits = processor(history, logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         token = self._sampler(logprobs)
-        gap = margins.gap(logprobs, token) if self.plan.measure_margins else None
-        return token, logprobs.squeeze(0), gap
+        decision = (logprobs, token) if self.plan.measure_margins else None
+        return token, logprobs.squeeze(0), decision
 
-    def take(self, token: int, logprobs: Any, gap: Any | None) -> bool:
+    def take(self, token: int, logprobs: Any, decision: tuple[Any, Any] | None) -> bool:
         """Add a sampled token (as the lone runner's decode loop does); True once it ended."""
         plan = self.plan
         if self.generation.cancelled:
             self._finish = "cancelled"
             return True
-        if gap is not None:
-            self._trail.add(gap)
+        if decision is not None:
+            self._trail.add(*decision)
         if token in self._eos:
             self._finish = "stop"
             return True

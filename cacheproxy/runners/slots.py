@@ -245,9 +245,9 @@ class SlotLane:
             return
         self._count_step(len(active))
         for slot in active:
-            token, logprobs, gap = drawn[id(slot)]
+            token, logprobs, decision = drawn[id(slot)]
             try:
-                ended = slot.take(int(token.item()), logprobs, gap)
+                ended = slot.take(int(token.item()), logprobs, decision)
             except Exception as exc:
                 self._fail([slot], exc)
                 continue

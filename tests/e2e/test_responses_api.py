@@ -127,6 +127,8 @@ async def test_max_output_tokens_is_an_incomplete_response(make_proxy: ProxyFact
     ({"stream": True, "stream_options": {"include_obfuscation": True}},
      "stream_options.include_obfuscation"),
     ({"stream": True, "stream_options": {"include_usage": True}}, "stream_options.include_usage"),
+    ({"tools": [{**FLAT_WEATHER, "returns": "a report"}]}, "tools[0].returns"),
+    ({"reasoning": {"effort": "low", "context": "all_turns"}}, "reasoning.context"),
 ])
 async def test_state_and_hosted_tools_are_refused_not_dropped(
     make_proxy: ProxyFactory, extra: dict[str, Any], param: str

@@ -23,6 +23,7 @@ import pytest
 
 from cacheproxy.runners.demo.agent import write_agent
 from tests.harness.processes import openblas_env, serving
+from tests.harness.repos import scratch_repo
 
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.332"  # what .ci/run installs
 MODEL = "cacheproxy-agent"
@@ -38,16 +39,6 @@ def _claude() -> str:
         return found
     pytest.skip(f"the npm package {CLAUDE_CODE} is not installed (`npm install -g "
                 f"{CLAUDE_CODE}`, as .ci/run does; .ci/run says when npm could not install it)")
-
-
-def _scratch_repo(root: Path) -> Path:
-    repo = root / "repo"
-    repo.mkdir()
-    (repo / "README.md").write_text("# scratch\n")
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com"]
-    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "init"]):
-        subprocess.run([*git, *args], cwd=repo, check=True)
-    return repo
 
 
 def _run(claude: str, url: str, repo: Path, home: Path) -> list[dict[str, Any]]:
@@ -81,7 +72,7 @@ def test_claude_code_runs_against_the_proxy_and_its_repeat_is_served_from_the_ca
         tmp_path: Path) -> None:
     claude = _claude()
     model = write_agent(tmp_path / "agent", context=65536)
-    repo, home = _scratch_repo(tmp_path), tmp_path / "home"
+    repo, home = scratch_repo(tmp_path / "repo", "# scratch\n"), tmp_path / "home"
     home.mkdir()
     output: list[str] = []
     with serving("--model", str(model), "--model-id", MODEL, "--store", "memory://",

@@ -19,10 +19,12 @@ import pytest
 
 from cacheproxy.cli.main import run
 from tests.harness.processes import openblas_env, serving
+from tests.harness.repos import scratch_repo
 
 pytestmark = pytest.mark.xdist_group("codex")
 KEY = "sk-local-codex"
 README = Path(__file__).resolve().parents[2] / "README.md"
+SCRATCH = "A scratch repository.\n"  # the README of the checkout Codex runs in
 
 
 def _readme_config(url: str) -> str:
@@ -42,16 +44,6 @@ def _codex() -> str:
     return found
 
 
-def _scratch_repo(path: Path) -> Path:
-    path.mkdir()
-    git = ["git", "-c", "user.email=t@example.com", "-c", "user.name=t"]
-    subprocess.run([*git, "init", "-q"], cwd=path, check=True)
-    (path / "README.md").write_text("A scratch repository.\n")
-    subprocess.run([*git, "add", "."], cwd=path, check=True)
-    subprocess.run([*git, "commit", "-qm", "init"], cwd=path, check=True)
-    return path
-
-
 def _exec(codex: str, home: Path, repo: Path, answer: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "CODEX_HOME": str(home), "CACHEPROXY_API_KEY": KEY}
     return subprocess.run([codex, "exec", "-o", str(answer), "Say hello."], cwd=repo, env=env,
@@ -67,7 +59,7 @@ def test_codex_exec_completes_and_its_rerun_is_a_hit(tmp_path: Path) -> None:
     codex = _codex()
     model = tmp_path / "agent"
     assert run(["agent-model", "--out", str(model)]) == 0
-    home, repo = tmp_path / "codex-home", _scratch_repo(tmp_path / "repo")
+    home, repo = tmp_path / "codex-home", scratch_repo(tmp_path / "repo", SCRATCH)
     home.mkdir()
     output: list[str] = []
     with serving("--model", str(model), "--model-id", "agent", "--store", "memory://",
@@ -77,7 +69,7 @@ def test_codex_exec_completes_and_its_rerun_is_a_hit(tmp_path: Path) -> None:
         runs = [_exec(codex, home, repo, tmp_path / f"answer-{i}.txt") for i in (1, 2)]
         # The control, and what the README says of hit rates: Codex writes the working
         # directory into its prompt, so the same task in another checkout is another entry.
-        runs.append(_exec(codex, home, _scratch_repo(tmp_path / "elsewhere"),
+        runs.append(_exec(codex, home, scratch_repo(tmp_path / "elsewhere", SCRATCH),
                           tmp_path / "answer-3.txt"))
     for done in runs:
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

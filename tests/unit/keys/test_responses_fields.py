@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from cacheproxy.edge.apis.responses import fields as responses_fields
 from cacheproxy.edge.apis.responses.request import translate
 from cacheproxy.edge.apis.responses.tools import seal, unseal
 from cacheproxy.errors import InvalidRequest, Unsupported
@@ -113,3 +114,115 @@ def test_sealed_reasoning_round_trips_and_a_foreign_seal_is_a_400() -> None:
         with pytest.raises(InvalidRequest) as refused:
             translate({"input": history})
         assert refused.value.param == "input[1].encrypted_content"
+
+
+# Every field of a Responses request, by its decision (cacheproxy/edge/apis/responses/fields.py).
+
+def test_every_field_the_sdk_defines_has_a_decision() -> None:
+    from openai.types.responses import response_create_params as params
+
+    typed = params.ResponseCreateParamsStreaming
+    sdk = typed.__required_keys__ | typed.__optional_keys__
+    decided = responses_fields.TRANSLATED | responses_fields.PASSED | set(responses_fields.REFUSED)
+    assert sdk - decided == set()
+
+
+@pytest.mark.parametrize("extra", [
+    {"user": "u"}, {"safety_identifier": "s"}, {"prompt_cache_key": "k"},
+    {"service_tier": "flex"}, {"prompt_cache_retention": "24h"},
+    {"prompt_cache_options": {"mode": "implicit", "ttl": "30m"}}, {"metadata": {"a": "b"}},
+    {"store": False}, {"background": False}, {"truncation": "disabled"},
+    {"stream_options": {"include_obfuscation": False}}, {"include": []},
+    {"client_metadata": {"session_id": "1"}}, {"stream": True},
+])
+def test_a_passed_field_changes_no_key(extra: dict[str, Any]) -> None:
+    assert chat_key({**ASK, **extra}) == chat_key(ASK)
+
+
+@pytest.mark.parametrize("reasoning", [
+    {"context": "auto"}, {"mode": "standard"}, {"summary": "none"}, {"summary": None},
+    {"context": None, "mode": None, "generate_summary": None},
+])
+def test_a_moot_value_is_accepted_and_changes_no_key(reasoning: dict[str, Any]) -> None:
+    chat, echo = translate({**ASK, "reasoning": reasoning})
+    assert key(chat) == chat_key(ASK) and not echo.summary
+
+
+@pytest.mark.parametrize("extra", [
+    {"reasoning": {"effort": "none"}}, {"max_output_tokens": 16},
+    {"instructions": "Be brief."}, {"chat_template_kwargs": {"enable_thinking": False}},
+])
+def test_an_applied_field_is_keyed(extra: dict[str, Any]) -> None:
+    # The control of the two above: the same comparison tells a field that is applied.
+    assert chat_key({**ASK, **extra}) != chat_key(ASK)
+
+
+@pytest.mark.parametrize(("form", "chat"), [
+    ({"type": "json_object"}, {"type": "json_object"}),
+    ({"type": "json_schema", "name": "n", "strict": True, "description": "d",
+      "schema": {"type": "object"}},
+     {"type": "json_schema", "json_schema": {"name": "n", "strict": True, "description": "d",
+                                             "schema": {"type": "object"}}}),
+])
+def test_text_format_is_chat_s_response_format(form: dict[str, Any],
+                                               chat: dict[str, Any]) -> None:
+    # (Keyed as chat keys it: tests/unit/keys/test_structured_keys.py.)
+    translated, echo = translate({**ASK, "text": {"format": form}})
+    assert translated["response_format"] == chat and echo.text_format == form
+    assert "response_format" not in translate({**ASK, "text": {"format": {"type": "text"}}})[0]
+
+
+@pytest.mark.parametrize(("reasoning", "summary"), [
+    ({"summary": "auto"}, True), ({"summary": "detailed"}, True),
+    ({"generate_summary": "concise"}, True),  # the deprecated spelling, no longer ignored
+    ({"summary": "none"}, False), ({}, False),
+])
+def test_a_summary_asked_is_given_in_any_spelling(reasoning: dict[str, Any],
+                                                  summary: bool) -> None:
+    chat, echo = translate({**ASK, "reasoning": reasoning})
+    assert echo.summary is summary and key(chat) == chat_key(ASK)  # rendered, not keyed
+    assert echo.reasoning["summary"] == (reasoning.get("summary")
+                                         or reasoning.get("generate_summary"))
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    *[({name: "x"}, name) for name in ("previous_response_id", "conversation", "prompt")],
+    ({"background": True}, "background"), ({"max_tool_calls": 3}, "max_tool_calls"),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"moderation": {"model": "m"}}, "moderation"),
+    ({"context_management": [{"type": "compaction"}]}, "context_management"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({"store": True}, "store"), ({"truncation": "auto"}, "truncation"),
+    ({"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
+    ({"reasoning": {"context": "all_turns"}}, "reasoning.context"),
+    ({"reasoning": {"mode": "pro"}}, "reasoning.mode"),
+    ({"reasoning": {"budget": 10}}, "reasoning.budget"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"text": {"format": {"type": "text"}, "language": "en"}}, "text.language"),
+    ({"text": {"format": {"type": "text", "strict": True}}}, "text.format.strict"),
+    ({"text": {"format": {"type": "json_object", "schema": {}}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"},
+                          "json_schema": {}}}}, "text.format.json_schema"),
+    ({"tool_choice": {"type": "function", "name": "spawn_agent", "strict": True},
+      "tools": [SPAWN]}, "tool_choice.strict"),
+    ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
+    ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
+])
+def test_a_field_not_served_is_refused_by_its_path(extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(Unsupported) as refused:
+        translate({**ASK, **extra})
+    assert refused.value.param == param and refused.value.code == "unsupported_parameter"
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"user": 7}, "user"), ({"prompt_cache_key": ["k"]}, "prompt_cache_key"),
+    ({"prompt_cache_options": "24h"}, "prompt_cache_options"), ({"store": "no"}, "store"),
+    ({"background": "no"}, "background"),
+    ({"reasoning": {"summary": "short"}}, "reasoning.summary"),
+    ({"reasoning": {"generate_summary": ["auto"]}}, "reasoning.generate_summary"),
+    ({"reasoning": {"effort": ["high"]}}, "reasoning.effort"),
+    ({"text": {"format": {"type": ["text"]}}}, "text.format.type"),
+])
+def test_a_field_of_the_wrong_type_is_a_400_naming_it(extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        translate({**ASK, **extra})
+    assert refused.value.param == param

@@ -14,11 +14,12 @@ the two share one cache entry. What the translation does:
   `temperature`, `top_p` -> their chat forms; `reasoning.effort` -> `reasoning_effort` (which
   reaches the template as `reasoning_effort`, and as `enable_thinking`: off for "none" and
   "minimal", on for any other effort);
-- this server keeps no state: `previous_response_id`, `conversation`, `store: true`,
-  `background: true` and item references are refused (400), never dropped;
-- `client_metadata` (Codex sends its session, turn and installation ids) and
-  `prompt_cache_key` describe the caller, not the question: passed, never keyed;
-  `include` is honoured (`responses_tools.includes`).
+- every other field is passed, moot or refused (400) by name, never dropped
+  (`responses_fields`): this server keeps no state (`previous_response_id`, `conversation`,
+  `store: true`, `background: true` and item references are refused); `client_metadata`
+  (Codex sends its session, turn and installation ids) and `prompt_cache_key` describe the
+  caller, not the question: passed, never keyed; `include` is honoured
+  (`responses_tools.includes`).
 """
 
 from __future__ import annotations
@@ -29,23 +30,12 @@ from typing import Any
 
 import orjson
 
+from cacheproxy.edge.apis.responses import fields as responses_fields
 from cacheproxy.edge.apis.responses import tools as responses_tools
 from cacheproxy.errors import InvalidRequest, Unsupported
 from cacheproxy.keys import fields
-from cacheproxy.keys import tools as tooling
-from cacheproxy.keys.canonical import PASSED, Parsed, RunnerDefaults, parse
+from cacheproxy.keys.canonical import Parsed, RunnerDefaults, parse
 from policies.sampling import SamplingMode
-
-# Fields that change nothing in the answer: echoed (or not), never keyed.
-_PASSED = PASSED | {"model", "stream", "stream_options", "include", "truncation",
-                    "client_metadata"}
-_TRANSLATED = frozenset({"input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
-                         "max_output_tokens", "temperature", "top_p", "reasoning", "text",
-                         "chat_template_kwargs", "store"})
-_STATEFUL = {"previous_response_id": "keeps no responses: send the whole conversation as input",
-             "conversation": "keeps no conversations: send the whole conversation as input",
-             "background": "answers every request in the foreground",
-             "prompt": "has no stored prompt templates", "max_tool_calls": "runs no built-in tools"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,24 +59,15 @@ class Echo:
 
 def translate(body: Mapping[str, Any]) -> tuple[dict[str, Any], Echo]:
     """The chat body of a Responses request, and what the response echoes."""
-    for name, why in _STATEFUL.items():
-        if body.get(name) not in (None, False):
-            raise Unsupported(f"'{name}' is not supported: this server {why}", param=name)
-    if body.get("store") is True:
-        raise Unsupported("'store' true is not supported: this server keeps no responses",
-                          param="store")
-    for name in body:
-        if name not in _PASSED and name not in _TRANSLATED and name not in _STATEFUL:
-            raise Unsupported(f"'{name}' is not supported by this server's Responses API",
-                              param=name)
-    _check_passed(body)
+    responses_fields.check(body)
     included = responses_tools.includes(body)
     chat: dict[str, Any] = {"messages": _messages(body)}
     for name in ("model", "stream", "temperature", "top_p", "parallel_tool_calls",
                  "chat_template_kwargs"):
         if body.get(name) is not None:
             chat[name] = body[name]
-    if (effort := _effort(body)) is not None:
+    effort, summary, summarized = responses_fields.reasoning(body)
+    if effort is not None:
         chat["reasoning_effort"] = effort
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
@@ -94,26 +75,25 @@ def translate(body: Mapping[str, Any]) -> tuple[dict[str, Any], Echo]:
     if body.get("tools") is not None:
         chat["tools"], namespaces = responses_tools.tools(body["tools"])
     if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
-    text_format = _text_format(body, chat)
-    reasoning = fields.obj(body, "reasoning")
+        chat["tool_choice"] = responses_fields.tool_choice(body["tool_choice"])
+    text_format = responses_fields.text_format(body)
+    if text_format["type"] != "text":
+        chat["response_format"] = _response_format(text_format)
     return chat, Echo(
         instructions=body.get("instructions"), metadata=fields.obj(body, "metadata"),
         tools=tuple(body.get("tools") or ()), tool_choice=body.get("tool_choice", "auto"),
         parallel_tool_calls=fields.boolean(body, "parallel_tool_calls", True),
         temperature=body.get("temperature"), top_p=body.get("top_p"),
         max_output_tokens=body.get("max_output_tokens"), text_format=text_format,
-        reasoning=reasoning, summary=reasoning.get("summary") is not None,
+        reasoning={"effort": effort, "summary": summary}, summary=summarized,
         encrypted=responses_tools.ENCRYPTED_REASONING in included, namespaces=namespaces)
 
 
-def _check_passed(body: Mapping[str, Any]) -> None:
-    if body.get("truncation") not in (None, "disabled"):
-        raise Unsupported("'truncation' other than 'disabled' is not supported: a prompt over "
-                          "the context is a 400", param="truncation")
-    fields.obj(body, "metadata")
-    fields.obj(body, "client_metadata")
-    fields.stream_options(body, frozenset())  # (usage is always in response.completed)
+def _response_format(form: Mapping[str, Any]) -> dict[str, Any]:
+    if form["type"] == "json_object":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {
+        k: form[k] for k in ("name", "schema", "strict", "description") if k in form}}
 
 
 def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -214,39 +194,10 @@ def _reasoning_text(item: Mapping[str, Any], where: str) -> str:
     return "".join(p.get("text", "") for p in parts if isinstance(p, dict))
 
 
-def _tool_choice(raw: object) -> object:
-    if raw in ("auto", "none", "required"):
-        return raw
-    if isinstance(raw, dict) and raw.get("type") == "function":
-        return {"type": "function", "function": {"name": raw.get("name")}}
-    raise Unsupported("'tool_choice' must be 'auto', 'none', 'required' or a function",
-                      param="tool_choice")
 
 
-def _effort(body: Mapping[str, Any]) -> str | None:
-    """reasoning.effort, checked here so that an error names the Responses field; the chat
-    request carries it as reasoning_effort."""
-    effort = fields.obj(body, "reasoning").get("effort")
-    if effort is not None and effort not in tooling.EFFORTS:
-        raise InvalidRequest(f"'reasoning.effort' must be one of {sorted(tooling.EFFORTS)}",
-                             param="reasoning.effort")
-    return effort
 
 
-def _text_format(body: Mapping[str, Any], chat: dict[str, Any]) -> Mapping[str, Any]:
-    text = fields.obj(body, "text")
-    for name in text:
-        if name != "format" and text[name] is not None:
-            raise Unsupported(f"'text.{name}' is not supported", param=f"text.{name}")
-    form = text.get("format") or {"type": "text"}
-    if not isinstance(form, dict):
-        raise InvalidRequest("'text.format' must be an object", param="text.format")
-    if form.get("type") == "json_schema":
-        chat["response_format"] = {"type": "json_schema", "json_schema": {
-            k: form[k] for k in ("name", "schema", "strict", "description") if k in form}}
-    elif form.get("type") != "text":
-        chat["response_format"] = form
-    return form
 
 
 def parse_responses(body: object, defaults: RunnerDefaults, mode: SamplingMode, *,

@@ -1,6 +1,10 @@
 """A Responses request's tools as chat function tools, and the thought it asks to carry.
 
-- A `function` tool becomes a chat function tool.
+- A `function` tool becomes a chat function tool. Each key of OpenAI's schema for it is
+  applied (`name`, `description`, `parameters`, `strict`) or moot here (`defer_loading`
+  false, `allowed_callers` with "direct": this server runs neither a tool search nor a
+  programmatic caller, both hosted tools) or refused where it would matter (a deferred tool,
+  one only a program may call, an `output_schema`); any other key is a 400 naming it.
 - A `namespace` tool (Codex sends `multi_agent_v1`) groups function tools: each becomes a
   chat function tool under its own name, which is how the model calls it and how the call is
   rendered back (`name`, plus the `namespace` it came from). A chat template has no place for
@@ -34,7 +38,13 @@ _WEB_SEARCH = frozenset({"web_search", "web_search_preview", "web_search_preview
                          "web_search_2025_08_26"})
 _HOSTED = _WEB_SEARCH | {"file_search", "code_interpreter", "computer_use_preview", "computer",
                          "image_generation", "mcp", "local_shell", "shell", "apply_patch",
-                         "tool_search"}
+                         "tool_search", "programmatic_tool_calling"}
+# The keys of OpenAI's function tool (FunctionToolParam; in a namespace, its ToolFunction)
+# and namespace tool (NamespaceToolParam).
+_FUNCTION_KEYS = frozenset({"type", "name", "description", "parameters", "strict",
+                            "defer_loading", "allowed_callers", "output_schema"})
+_NAMESPACE_KEYS = frozenset({"type", "name", "description", "tools"})
+_CALLERS = frozenset({"direct", "programmatic"})
 _SEAL = "cpx1."
 
 
@@ -68,7 +78,7 @@ def tools(raw: object) -> tuple[list[dict[str, Any]], dict[str, str]]:
         where = f"tools[{i}]"
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind == "function":
-            out.append(_function(tool))
+            out.append(_function(tool, where))
         elif kind == "namespace":
             for function in _namespace(tool, where):
                 out.append(function)
@@ -79,13 +89,49 @@ def tools(raw: object) -> tuple[list[dict[str, Any]], dict[str, str]]:
     return out, namespaces
 
 
-def _function(tool: Mapping[str, Any]) -> dict[str, Any]:
+def _function(tool: Mapping[str, Any], where: str) -> dict[str, Any]:
+    _known(tool, _FUNCTION_KEYS, where)
+    _offered_directly(tool, where)
     function = {k: tool[k] for k in ("name", "description", "parameters", "strict")
                 if k in tool}
     return {"type": "function", "function": function}
 
 
+def _known(tool: Mapping[str, Any], keys: frozenset[str], where: str) -> None:
+    for name in tool:
+        if name not in keys:
+            raise Unsupported(f"'{where}.{name}' is not a key of a {tool['type']} tool this "
+                              "server knows", param=f"{where}.{name}")
+
+
+def _offered_directly(tool: Mapping[str, Any], where: str) -> None:
+    """A tool search loads a deferred tool; a program calls a tool `allowed_callers` gives
+    it, reading `output_schema`. Both are hosted tools this server refuses: a tool is served
+    only as the model calls it directly, and one meant only for them is a 400."""
+    deferred = tool.get("defer_loading")
+    if deferred is not None and not isinstance(deferred, bool):
+        raise InvalidRequest(f"'{where}.defer_loading' must be a boolean",
+                             param=f"{where}.defer_loading")
+    if deferred:
+        raise Unsupported(f"'{where}.defer_loading' true is not supported: this server has no "
+                          "tool search to load it (offer the tool directly)",
+                          param=f"{where}.defer_loading")
+    callers = tool.get("allowed_callers")
+    if callers is not None and (not isinstance(callers, list)
+                                or not all(isinstance(c, str) and c in _CALLERS for c in callers)):
+        raise InvalidRequest(f"'{where}.allowed_callers' must be a list of {sorted(_CALLERS)}",
+                             param=f"{where}.allowed_callers")
+    if callers is not None and "direct" not in callers:
+        raise Unsupported(f"'{where}.allowed_callers' without 'direct' is not supported: this "
+                          "server runs no programmatic tool calling",
+                          param=f"{where}.allowed_callers")
+    if tool.get("output_schema") is not None:
+        raise Unsupported(f"'{where}.output_schema' is not supported: no chat template shows "
+                          "the model a function's output schema", param=f"{where}.output_schema")
+
+
 def _namespace(tool: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
+    _known(tool, _NAMESPACE_KEYS, where)
     name, inner = tool.get("name"), tool.get("tools")
     if not isinstance(name, str) or not name:
         raise InvalidRequest(f"'{where}.name' must be a non-empty string", param=f"{where}.name")
@@ -100,7 +146,7 @@ def _namespace(tool: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
         if kind != "function":
             raise Unsupported(f"'{where}.tools[{j}].type' {kind!r}: a namespace's tools must "
                               "be function tools here", param=f"{where}.tools[{j}].type")
-        out.append(_function(function))
+        out.append(_function(function, f"{where}.tools[{j}]"))
     return out
 
 
