@@ -18,11 +18,11 @@ from aiohttp import web
 from cacheproxy.edge import admin, answers, info, status
 from cacheproxy.edge.aiohttp_adapter import expect_within
 from cacheproxy.edge.apis import APIS, ID_HEADS, Api
+from cacheproxy.edge.apis.frame import ResponseIds
 from cacheproxy.edge.apis.messages import routes as messages
 from cacheproxy.edge.auth import check_admin, client_identity
 from cacheproxy.edge.bodies import BodyLimits, BodyReads
 from cacheproxy.edge.origin import guarded, site_guard
-from cacheproxy.edge.render import ResponseIds
 from cacheproxy.edge.route import (
     Handler,
     Limits,

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from cacheproxy.edge.apis.frame import Frame
 from cacheproxy.edge.apis.messages.render import body
 from cacheproxy.edge.apis.messages.request import parse_messages
-from cacheproxy.edge.render import Frame
 from cacheproxy.errors import InvalidRequest
 from cacheproxy.keys.canonical import Delivery
 from cacheproxy.keys.codec import Chunk, Output
@@ -218,7 +218,7 @@ def test_an_omitted_thought_comes_back_unsealed_and_keys_as_if_shown() -> None:
     output = Output((Chunk("", (1,), reasoning="Foxes eat mice."), Chunk("Mice.", (2,))),
                     "stop", 10, 2)
     delivery = Delivery(True, False, 1, "demo", api="messages", echo=b'{"omit_thinking": true}')
-    reply = body(Frame("msg_1", 0, "demo", "fp", "chat", delivery, False, False, key="ns/k"),
+    reply = body(Frame("msg_1", 0, "demo", "fp", delivery, False, False, key="ns/k"),
                  output)["content"]
     assert reply[0]["thinking"] == ""  # the client is shown no thought
     follow = {"role": "user", "content": "And owls?"}

@@ -10,11 +10,11 @@ from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
+from cacheproxy.edge.apis.frame import Frame
 from cacheproxy.edge.apis.messages.render import body, whole_stream
-from cacheproxy.edge.render import Frame
+from cacheproxy.edge.apis.responses.tools import opened
 from cacheproxy.keys.canonical import Delivery
 from cacheproxy.keys.codec import Chunk, Output, ToolCallOut
-from cacheproxy.keys.responses_tools import opened
 
 EVENT = TypeAdapter(RawMessageStreamEvent)
 CALL = ToolCallOut(0, "get_weather", '{"city": "Lima"}')
@@ -25,7 +25,7 @@ CHUNKS = (Chunk("", (1,), reasoning="I look"), Chunk("", (2,), reasoning=" it up
 
 def frame(echo: bytes = b"", *, cached: bool = False) -> Frame:
     delivery = Delivery(True, False, 1, "demo", api="messages", echo=echo)
-    return Frame("msg_1", 0, "demo", "fp", "chat", delivery, False, cached, key="ns/abc",
+    return Frame("msg_1", 0, "demo", "fp", delivery, False, cached, key="ns/abc",
                  reused=2)
 
 

@@ -18,11 +18,11 @@ from typing import Any
 import orjson
 import xxhash
 
+from cacheproxy.edge.apis.frame import Frame
 from cacheproxy.edge.apis.messages.errors import error_body
-from cacheproxy.edge.render import Frame
+from cacheproxy.edge.apis.responses.tools import seal
 from cacheproxy.errors import ProxyError
 from cacheproxy.keys.codec import Chunk, Output, ToolCallOut
-from cacheproxy.keys.responses_tools import seal
 
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
 

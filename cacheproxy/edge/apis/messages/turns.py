@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from cacheproxy.edge.apis.responses.tools import opened
 from cacheproxy.errors import InvalidRequest, Unsupported
 from cacheproxy.keys import fields
-from cacheproxy.keys.responses_tools import opened
 
 _TEXT_KEYS = frozenset({"type", "text", "cache_control", "citations"})
 _TURN = frozenset({"role", "content"})

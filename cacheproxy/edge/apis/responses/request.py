@@ -30,8 +30,10 @@ from typing import Any
 
 import orjson
 
+from cacheproxy.edge.apis.responses import fields as responses_fields
+from cacheproxy.edge.apis.responses import tools as responses_tools
 from cacheproxy.errors import InvalidRequest, Unsupported
-from cacheproxy.keys import fields, responses_fields, responses_tools
+from cacheproxy.keys import fields
 from cacheproxy.keys.canonical import Parsed, RunnerDefaults, parse
 from policies.sampling import SamplingMode
 

@@ -16,10 +16,10 @@ from typing import Any
 import orjson
 import xxhash
 
-from cacheproxy.edge.render import Frame, call_id
+from cacheproxy.edge.apis.frame import Frame, call_id
+from cacheproxy.edge.apis.responses.tools import seal
 from cacheproxy.errors import ProxyError
 from cacheproxy.keys.codec import Chunk, Output, ToolCallOut
-from cacheproxy.keys.responses_tools import seal
 
 
 def _item_id(frame: Frame, kind: str, index: int = 0) -> str:
