@@ -27,6 +27,7 @@ from backends.base import (
     expiry,
     is_expired,
 )
+from backends.disk_frozen import Watch, abandon
 from backends.disk_open import BUSY_TIMEOUT_S as _BUSY_TIMEOUT_S
 from backends.disk_open import DB_FILENAME as DB_FILENAME  # (named here by tests and tools)
 from backends.disk_open import (
@@ -77,6 +78,8 @@ class DiskBackend:
         self._purgers: set[Purger] = set()  # the purges' child processes, while they run
         # Touched only on the worker thread; opened lazily so construction never blocks.
         self._conn: sqlite3.Connection | None = None
+        self._watch = Watch(self._directory / DB_FILENAME)  # its files, frozen or truncated
+        self._broken = ""  # why its files may not be touched now (logged once)
         self._bytes = 0
         self._data_version: int | None = None
         self._closed = False
@@ -219,6 +222,7 @@ class DiskBackend:
     # -- worker thread --------------------------------------------------------------
 
     def _call(self, op: Callable[[sqlite3.Connection], _T]) -> _T:
+        self._look()
         try:
             try:
                 return op(self._connection())
@@ -235,6 +239,24 @@ class DiskBackend:
                 return op(self._connection())
         except (sqlite3.Error, OSError) as exc:
             raise store_error(self._directory, exc) from exc
+
+    def _look(self) -> None:
+        """Raise a store error, without calling SQLite, while a file of the store is frozen
+        or truncated (backends/disk_frozen.py: touching its mapping would kill the process);
+        say so when that starts and when it ends."""
+        if self._conn is None:
+            self._watch.reset()  # (no connection holds them: the files may be new ones)
+        broken, was = self._watch.broken(), self._broken
+        self._broken = broken
+        path = str(self._directory / DB_FILENAME)
+        if broken and not was:
+            log.warning("disk_store_frozen", path=path, reason=broken,
+                        note="the store is neither read nor written until its files may be "
+                             "written again: answers come from the model, not stored")
+        elif was and not broken:
+            log.info("disk_store_thawed", path=path, note="its files may be written again")
+        if broken:
+            raise BackendError(f"disk store {str(self._directory)!r}: {broken}")
 
     def _quarantine(self, exc: sqlite3.DatabaseError) -> None:
         """Move a corrupt database file aside (disk_open.quarantine), so that the next
@@ -307,11 +329,18 @@ class DiskBackend:
         return self._connection()
 
     def _close_conn(self, *, flush: bool = True) -> None:
+        broken = self._watch.broken() if self._conn is not None else ""
         if flush:
-            self._recencies.settle(self._conn)
+            self._recencies.settle(None if broken else self._conn)
         if self._conn is not None:
             conn, self._conn = self._conn, None
-            conn.close()
+            if broken:  # (closing it would checkpoint through the frozen mapping)
+                abandon(conn)
+                log.warning("disk_store_connection_abandoned", reason=broken,
+                            path=str(self._directory / DB_FILENAME))
+            else:
+                conn.close()
+        self._watch.reset()
 
     def _get(self, conn: sqlite3.Connection, key: str, now: float) -> bytes | None:
         row = conn.execute(

@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import quote
 
+from backends.disk_frozen import frozen_file
 from backends.disk_open import BUSY_TIMEOUT_S, transaction
 
 BATCH = 256  # recencies that make a write
@@ -34,6 +35,7 @@ class Recencies:
 
     def __init__(self, database: Path) -> None:
         self._uri = f"file:{quote(str(database))}?mode=rw"  # (never creates the file)
+        self._database = database
         self._pending: dict[str, float] = {}  # key -> read time; only the store's thread
         self._writing: Future[None] | None = None  # the batch in flight
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheproxy-recency")
@@ -114,7 +116,10 @@ class Recencies:
 
     def _write(self, batch: dict[str, float]) -> None:
         # A connection for each batch, closed after: one left open would outlive the file
-        # if it were quarantined.
+        # if it were quarantined. Not while a file is frozen (disk_frozen: SIGBUS).
+        if frozen_file(self._database) is not None:
+            self.drop(len(batch))
+            return
         try:
             with contextlib.closing(sqlite3.connect(self._uri, uri=True, timeout=BUSY_TIMEOUT_S,
                                                     isolation_level=None)) as conn:

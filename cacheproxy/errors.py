@@ -46,9 +46,15 @@ class InvalidRequest(ProxyError):
 
 
 class ContextLengthExceeded(InvalidRequest):
-    """The prompt (plus max_tokens) does not fit the model's context."""
+    """The prompt does not fit the model's context (with one token to answer)."""
 
     code = "context_length_exceeded"
+
+    def __init__(self, prompt_tokens: int, context: int, *, param: str | None = None) -> None:
+        super().__init__(f"the prompt is {prompt_tokens} tokens; this model's context is "
+                         f"{context} tokens", param=param)
+        self.prompt_tokens = prompt_tokens
+        self.maximum = context - 1  # the longest prompt it takes: one token is left to answer
 
 
 class Unsupported(InvalidRequest):

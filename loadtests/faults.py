@@ -482,8 +482,10 @@ def slowloris(work: Path, args: argparse.Namespace) -> Outcome:
     head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: "
     body = chat("Tell me about the fox.", max_tokens=8)
     with children() as procs:
+        # (all from loopback: the per-address bound as high, so the shared bound is tried)
         proxy = in_process_proxy(procs, work, "--store", "memory://",
-                                 "--max-connections", str(args.slowloris))
+                                 "--max-connections", str(args.slowloris),
+                                 "--max-connections-per-peer", str(args.slowloris))
         port = int(proxy.url.rsplit(":", 1)[1])
 
         async def run() -> tuple[list[float], int]:
@@ -569,7 +571,8 @@ def slow_bodies(work: Path, args: argparse.Namespace) -> Outcome:
     for name, (reopen, flags) in variants.items():
         with children() as procs:
             proxy = in_process_proxy(procs, work, "--store", "memory://", "--max-connections",
-                                     str(args.slow_bodies), *flags)
+                                     str(args.slow_bodies), "--max-connections-per-peer",
+                                     str(args.slow_bodies), *flags)  # (all from loopback)
             runs[name] = hostile_load.slow_bodies_against(proxy.url, slow=args.slow_bodies,
                                                           reopen=reopen)
     out.sent = sum(r.fresh_sent + r.keep_alive_sent for r in runs.values())

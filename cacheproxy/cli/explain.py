@@ -30,9 +30,9 @@ async def run(runner: Runner, settings: Settings, request_file: Path, *, api: Ro
     out = out or sys.stdout
     raw = await asyncio.to_thread(request_file.read_bytes)
     try:
-        parsed = PARSERS[api](decode_body(raw), runner.defaults(), settings.sampling,
-                              max_tokens_cap=settings.max_tokens_cap,
-                              max_answer_tokens=settings.max_answer_tokens)
+        parsed = PARSERS[api].parse(decode_body(raw), runner.defaults(), settings.sampling,
+                                    max_tokens_cap=settings.max_tokens_cap,
+                                    max_answer_tokens=settings.max_answer_tokens)
     except ProxyError as exc:  # what the server would answer: the same refusal
         print(f"cacheproxy: error: the server would refuse this request ({exc.status} "
               f"{exc.code}): {exc.message}", file=sys.stderr)

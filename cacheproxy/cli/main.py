@@ -9,13 +9,14 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, get_args
 
 from backends.base import BackendError
 from cacheproxy import __version__
 from cacheproxy.cli import compare_run
 from cacheproxy.cli.settings import Settings, build_settings
 from cacheproxy.errors import UpstreamUnavailable
+from cacheproxy.keys.canonical import Route
 
 # `serve` flags: (flag, argparse options); each is also CACHEPROXY_<DEST> (cli/settings.py).
 SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -75,6 +76,9 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--max-in-flight", {"type": int, "help": "requests served at once before 503"}),
     ("--max-connections", {"type": int,
                            "help": "open client connections before new ones get 503"}),
+    ("--max-connections-per-peer", {"type": int,
+                                    "help": "of them, from one client address (loopback "
+                                            "too); past it its own oldest give way, or 503"}),
     ("--idle-timeout", {"type": float, "help": "seconds a connection may take to send a "
                         "request's headers, after it opens or after its last response"}),
     ("--body-timeout", {"type": float, "help": "seconds a request body may take (408)"}),
@@ -192,7 +196,7 @@ def _add_store_commands(sub: Any) -> None:
     ex = sub.add_parser("explain", help="why a request misses: its key, the nearest entries "
                         "and the fields they differ in (nothing generated or stored)")
     ex.add_argument("request", type=Path, help="the request body as a client sends it (JSON)")
-    ex.add_argument("--api", choices=("chat", "completions", "responses", "messages"),
+    ex.add_argument("--api", choices=get_args(Route),
                     default="chat", help="the API the body is for (default: chat)")
     ex.add_argument("--store")
     ex.add_argument("--model", help="model directory or repo (default: the demo model)")

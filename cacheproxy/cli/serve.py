@@ -151,11 +151,13 @@ def serve(settings: Settings) -> int:
     """Run the server until SIGINT/SIGTERM."""
     import uvloop
 
-    from cacheproxy.observe import logs
+    from cacheproxy.observe import logs, output
 
     files = resource.getrlimit(resource.RLIMIT_NOFILE)  # before mlx-lm is imported
     sock = bound_socket(settings.host, settings.port, send_buffer=settings.send_buffer)
     batched = logs.configure(fmt=settings.log_format, level=settings.log_level)
+    if batched is not None:  # JSON logs: what anything prints from now on is JSON too
+        output.capture(batched)
     uvloop.run(_serve(settings, batched, files, sock))
     # Everything is closed (stores, lanes). The process leaves without the interpreter's
     # teardown (cli/main.py::_leave), so the atexit hook of the batched log lines never runs:
@@ -197,7 +199,18 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def restore_file_limit(before: tuple[int, int], max_connections: int) -> None:
+def say(batched: BatchedLines | None, event: str, message: str, level: str = "info"
+        ) -> None:
+    """A line for the operator whatever the log level: as is on stderr, or one JSON line
+    among the others when the logs are JSON (every line of the output parses then)."""
+    if batched is not None:
+        batched.notice(event, message, level)
+    else:
+        print(message, file=sys.stderr, flush=True)
+
+
+def restore_file_limit(before: tuple[int, int], max_connections: int,
+                       batched: BatchedLines | None = None) -> None:
     """mlx-lm sets the open-file limit to (2048, 4096) when it is imported (mlx_lm/utils.py):
     put back the limit the process started with, or as much of it as it may (raising a hard
     limit takes privileges), and warn when that leaves too few for max_connections."""
@@ -212,9 +225,10 @@ def restore_file_limit(before: tuple[int, int], max_connections: int) -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft != resource.RLIM_INFINITY and soft < max_connections + FILES_BESIDES_CONNECTIONS:
-        print(f"cacheproxy: WARNING: the open-file limit ({soft}) leaves room for fewer than "
-              f"--max-connections {max_connections} client connections; raise it (ulimit -n) "
-              "or lower --max-connections", file=sys.stderr, flush=True)
+        say(batched, "file_limit_low",
+            f"cacheproxy: WARNING: the open-file limit ({soft}) leaves room for fewer than "
+            f"--max-connections {max_connections} client connections; raise it (ulimit -n) "
+            "or lower --max-connections", "warning")
 
 
 async def _serve(settings: Settings, batched: BatchedLines | None,
@@ -233,18 +247,19 @@ async def _serve(settings: Settings, batched: BatchedLines | None,
     watcher = None
     if runner.server is not None:
         guard = ConnectionGuard(runner.server, settings.max_connections,
+                                max_per_peer=settings.max_connections_per_peer,
                                 send_timeout=settings.send_timeout, counters=counters)
         guard.install()
         watcher = asyncio.create_task(guard.watch())
     # Bound first (a taken port fails before the model loads), listening from now on.
     site = web.SockSite(runner, sock, backlog=BACKLOG)
     await site.start()
-    restore_file_limit(files, settings.max_connections)  # the runner has imported mlx-lm
+    restore_file_limit(files, settings.max_connections, batched)  # (mlx-lm imported now)
     # The model, tokenizer and imports are ~100k long-lived objects: out of the collector's
     # sight, a full collection no longer rescans them (it cost ~80 ms every ~20k hits).
     gc.collect()
     gc.freeze()
-    _announce(settings)
+    _announce(settings, batched)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -260,13 +275,14 @@ async def _serve(settings: Settings, batched: BatchedLines | None,
             await asyncio.gather(flusher, return_exceptions=True)
 
 
-def _announce(settings: Settings) -> None:
+def _announce(settings: Settings, batched: BatchedLines | None = None) -> None:
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:
-        print(f"cacheproxy: WARNING: listening on {settings.host} without API keys: anyone who "
-              "can reach this address can generate and read cached answers "
-              "(set --api-key or CACHEPROXY_API_KEYS)", file=sys.stderr, flush=True)
+        say(batched, "no_api_keys",
+            f"cacheproxy: WARNING: listening on {settings.host} without API keys: anyone who "
+            "can reach this address can generate and read cached answers "
+            "(set --api-key or CACHEPROXY_API_KEYS)", "warning")
     names = [pool.model_id for pool in settings.upstream_pools] if settings.upstream else \
         [name for name, _ in settings.served_models]
-    print(f"cacheproxy serving {', '.join(names)} on http://{settings.host}:"
-          f"{settings.port}/v1 (store {redact_url(settings.store)})", file=sys.stderr,
-          flush=True)
+    say(batched, "listening",
+        f"cacheproxy serving {', '.join(names)} on http://{settings.host}:"
+        f"{settings.port}/v1 (store {redact_url(settings.store)})")

@@ -75,6 +75,8 @@ class Settings:
     status_access: str = "auto"
     max_in_flight: int = 1024
     max_connections: int = 1000
+    # Of them, from one client address (loopback included: every local agent shares it).
+    max_connections_per_peer: int = 256
     # Time bounds per connection: for a request's headers to be complete (after the
     # connection opens or its last response: slowloris and idle keep-alive alike), for its
     # body to arrive, and for a client to read what it is sent.
@@ -252,6 +254,7 @@ def validate(settings: Settings) -> None:
         "status_access": settings.status_access in ("auto", "admin", "api-key", "public"),
         "max_in_flight": settings.max_in_flight >= 1,
         "max_connections": settings.max_connections >= 1,
+        "max_connections_per_peer": settings.max_connections_per_peer >= 1,
         "max_answer_tokens": settings.max_answer_tokens >= 1,
         "idle_timeout": settings.idle_timeout > 0,
         "body_timeout": settings.body_timeout > 0,

@@ -21,7 +21,7 @@ connection, so the guard wraps `Server.connection_made`, which its RequestHandle
 every new connection, and tells a connection waiting for a request by its handler's
 `_waiter`.
 
-What this relies on is listed in `PRIVATE_ATTRIBUTES` (and `Server.connection_made`);
+What this relies on is listed in `PRIVATE_ATTRIBUTES` (and `Server.connection_made`, `_lost`);
 `missing_private_attributes()` says which of them an installed aiohttp lacks, and a test
 fails with that list when an upgrade changes them.
 """
@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from email.utils import formatdate
 from functools import lru_cache
@@ -56,7 +57,7 @@ PRIVATE_ATTRIBUTES = {
     "StreamResponse": ("_eof_sent", "_cookies", "_compression", "_chunked", "_keep_alive",
                        "_status", "_reason", "_headers", "_body_length", "_state"),
     "BaseRequest": ("_prepare_hook",),
-    "Server": ("connection_made", "connections"),
+    "Server": ("connection_made", "connection_lost", "connections"),
     "RequestHandler": ("_waiter", "force_close", "transport", "_request_count",
                        "_current_request", "_messages"),
 }
@@ -280,6 +281,10 @@ class ConnectionGuard:
       new one refused (503). So clients that never finish their headers or bodies cannot
       lock the others out, and established clients go last. (`cut_bodies=False`: bodies
       are not cut, as before #34; a diagnostic.)
+    - Past `max_per_peer` connections from one address, its new connection takes the place
+      of one of that address's own, in the same order, else gets the 503: a client opening
+      connections in a loop churns its own, never the places of others. (One address may
+      be many clients: behind a proxy or NAT, or every local agent on loopback.)
     - A connection whose answer has sat unread in its write buffer for `send_timeout`
       (the buffer never shrank) is aborted, its buffered answer dropped: a client that
       stops reading costs its buffer for that long, never for good.
@@ -289,33 +294,67 @@ class ConnectionGuard:
     """
 
     def __init__(self, server: web.Server, max_connections: int, *,
-                 send_timeout: float = 30.0, counters: dict[str, int] | None = None,
-                 cut_bodies: bool = True) -> None:
+                 max_per_peer: int | None = None, send_timeout: float = 30.0,
+                 counters: dict[str, int] | None = None, cut_bodies: bool = True) -> None:
         self._server = server
         self._cut_bodies = cut_bodies
         self._max = max_connections
+        self._max_per_peer = max_per_peer  # (None: no bound of its own, as before #34)
+        self._peer_of: dict[RequestHandler, str] = {}  # open connections' client addresses
+        self._per_peer: Counter[str] = Counter()
         self._send_timeout = send_timeout
         self._unread: dict[RequestHandler, tuple[int, float]] = {}  # buffer size, since
         self._closing: set[RequestHandler] = set()  # evicted, closed on the next turn
         self.counters = counters if counters is not None else {}
         self.counters.update(connections_evicted=0, connections_refused=0, send_timeouts=0,
-                             bodies_evicted=0)
+                             bodies_evicted=0, peer_bound_hits=0)
 
     def install(self) -> None:
-        """Wrap the server's connection_made."""
-        admit = self._server.connection_made
+        """Wrap the server's connection_made and connection_lost."""
+        admit, lose = self._server.connection_made, self._server.connection_lost
 
         def connection_made(handler: RequestHandler, transport: asyncio.Transport) -> None:
             admit(handler, transport)
+            peer = _address(transport)
+            self._peer_of[handler] = peer
+            self._per_peer[peer] += 1
+            bound = self._max_per_peer
+            if bound is not None and self._per_peer[peer] > bound and \
+                    self._peer_over(handler, transport, peer, bound):  # (closing counted)
+                return  # (room made among its own, or refused: the total did not grow)
             if len(self._server.connections) > self._max:
-                self._make_room(handler, transport)
+                self._make_room(handler, transport, self._server.connections)
+
+        def connection_lost(handler: RequestHandler, exc: BaseException | None = None
+                            ) -> None:
+            lose(handler, exc)
+            peer = self._peer_of.pop(handler, None)
+            if peer is not None:
+                self._per_peer[peer] -= 1
+                if not self._per_peer[peer]:
+                    del self._per_peer[peer]
 
         self._server.connection_made = connection_made  # type: ignore[method-assign]
+        self._server.connection_lost = connection_lost  # type: ignore[method-assign]
 
-    def _make_room(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+    def _peer_over(self, handler: RequestHandler, transport: asyncio.Transport,
+                   peer: str, bound: int) -> bool:
+        """Whether the address's connections, the closing ones aside, are past its bound;
+        if so a place is made among its own (or the new one refused)."""
+        self._closing.intersection_update(self._server.connections)
+        mine = [other for other, address in self._peer_of.items()  # oldest first
+                if address == peer and other not in self._closing]
+        if len(mine) <= bound:
+            return False
+        self.counters["peer_bound_hits"] += 1
+        self._make_room(handler, transport, mine)
+        return True
+
+    def _make_room(self, handler: RequestHandler, transport: asyncio.Transport,
+                   among: Iterable[RequestHandler]) -> None:
         connections = self._server.connections
         self._closing.intersection_update(connections)  # (those closed are gone from it)
-        others = [other for other in connections  # oldest first
+        others = [other for other in among  # oldest first
                   if other is not handler and other not in self._closing]
         fresh = next((other for other in others if _before_a_request(other)), None)
         waiting = next((other for other in others if _waiting_for_a_request(other)), None)
@@ -369,6 +408,12 @@ class ConnectionGuard:
                 continue
             unread[handler] = (size, since)
         self._unread = unread
+
+
+def _address(transport: asyncio.BaseTransport) -> str:
+    """The client's address (IP without port; "" for a Unix socket)."""
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else ""
 
 
 def _waiting_for_a_request(handler: RequestHandler) -> bool:

@@ -1,8 +1,9 @@
 """The POST routes of every API of the table (edge.apis): body -> service -> JSON/SSE.
 
 The service decides everything (status, reason, where the answer comes from); a handler
-only reads the body and renders what it gets back in its route's API: a remembered HIT, a
-stored one, or a flight to relay.
+only reads the body and renders what it gets back in its route's API: a stored HIT or a
+flight to relay. The rendered bytes and their memos are the edge's: a repeat of a body whose
+HIT was rendered is sent again as it was while the service vouches for that HIT (step 0).
 """
 
 from __future__ import annotations
@@ -15,18 +16,18 @@ from typing import Any, assert_never
 import orjson
 from aiohttp import hdrs, web
 
-from cacheproxy.edge import render
 from cacheproxy.edge.aiohttp_adapter import Body, Rendered, forget_frames, header_lines
 from cacheproxy.edge.apis import APIS, Stream
-from cacheproxy.edge.render import ResponseIds
+from cacheproxy.edge.apis.frame import Frame, ResponseIds
+from cacheproxy.edge.repeats import Repeat, RepeatKey
 from cacheproxy.edge.route import JSON, Handler
 from cacheproxy.edge.state import BODIES, CACHE_LOG, IDENTITY, HitPath
+from cacheproxy.edge.templates import CREATED_MARK, ID_MARK, FlightBodies, HitTemplates, Template
 from cacheproxy.errors import ClientGone, ProxyError, UnreadableBody
 from cacheproxy.keys.canonical import Parsed, Route
 from cacheproxy.keys.codec import Output
 from cacheproxy.observe.logs import SharedFields
 from cacheproxy.service.flights import Flight
-from cacheproxy.service.memos import CREATED_MARK, ID_MARK, Repeat, RepeatKey, Template
 from cacheproxy.service.proxy import Answer, CachingProxy, Flowing, Stored
 from policies.cache_control import response_cache_control
 from policies.status import CacheStatus, Reason
@@ -37,20 +38,21 @@ SSE = "text/event-stream"
 async def _complete(request: web.Request, endpoint: Route, hot: HitPath) -> web.StreamResponse:
     raw = await read_body(request)
     scope = request.get(IDENTITY, "") if hot.options.cache_scope == "per-key" else ""
+    memo_key = (endpoint, scope, raw) if hdrs.CACHE_CONTROL not in request.headers else None
+    # Step 0: a remembered HIT, without a coroutine when the store holds it in this process.
+    if memo_key is not None and (repeat := hot.repeats.get(memo_key)) is not None:
+        if repeat.proxy.holds(repeat.hit) or await repeat.proxy.still_stored(repeat.hit):
+            return _repeat_hit(repeat, hot.ids)
+        hot.repeats.forget(memo_key)
     router = hot.router
     proxy = router.default if router.single else router.route(raw, scope)  # (single: no call)
-    control = request.headers.get(hdrs.CACHE_CONTROL)
-    # Step 0 without a coroutine when it can (a repeat HIT held in this process), else all.
-    recalled = proxy.recall(endpoint, raw, scope) if control is None else None
-    answer: Answer = recalled or await proxy.answer(endpoint, raw, scope, control)
+    answer: Answer = await proxy.answer(endpoint, raw, scope,
+                                        request.headers.get(hdrs.CACHE_CONTROL))
     match answer:
-        case Repeat():
-            return _repeat_hit(answer, proxy.options.ttl, hot.ids)
         case Stored():
-            memo_key = (endpoint, scope, raw) if control is None else None
-            return _stored_hit(request, answer, proxy, memo_key, hot.ids)
+            return _stored_hit(request, answer, proxy, memo_key, hot)
         case Flowing():
-            return await _flowing(request, answer, proxy.options.ttl, hot.ids)
+            return await _flowing(request, answer, proxy.options.ttl, hot)
         case _:
             assert_never(answer)
 
@@ -85,59 +87,59 @@ def handler(route: Route, hot: HitPath) -> Handler:
     return partial(_complete, endpoint=route, hot=hot)
 
 
-def _body_of(frame: render.Frame, output: Output) -> dict[str, Any]:
+def _body_of(frame: Frame, output: Output) -> dict[str, Any]:
     return APIS[frame.delivery.api].body(frame, output)
 
 
-def _stream_of(frame: render.Frame) -> Stream:
+def _stream_of(frame: Frame) -> Stream:
     return APIS[frame.delivery.api].stream(frame)
 
 
-def _whole_stream(frame: render.Frame, output: Output) -> bytes:
+def _whole_stream(frame: Frame, output: Output) -> bytes:
     return APIS[frame.delivery.api].whole_stream(frame, output)
 
 
-def _repeat_hit(repeat: Repeat, ttl: float | None, ids: ResponseIds) -> Rendered:
+def _repeat_hit(repeat: Repeat, ids: ResponseIds) -> Rendered:
     """A repeat of a request whose HIT is remembered: the same answer, nothing re-derived."""
     now = time.time()
-    age = max(0.0, now - repeat.created_at)
+    age = max(0.0, now - repeat.hit.created_at)
+    ttl = repeat.ttl
     if ttl is None:  # Cache-Control does not change with age: it is in the head
         head = b"%bAge: %d\r\n" % (repeat.head, age)
     else:
         control = response_cache_control(stored=True, ttl=ttl, age=age)
         head = b"%bAge: %d\r\nCache-Control: %s\r\n" % (repeat.head, age, control.encode())
-    rendered = Rendered(head, repeat.template.render(ids.next(repeat.endpoint), int(now)))
+    rendered = Rendered(head, repeat.template.render(ids.next(repeat.route), int(now)))
     rendered.cache_log = repeat.log  # (the access line's fields: no request[...] round trip)
     return rendered
 
 
 def _stored_hit(request: web.Request, hit: Stored, proxy: CachingProxy,
-                memo_key: RepeatKey | None, ids: ResponseIds) -> Rendered:
+                memo_key: RepeatKey | None, hot: HitPath) -> Rendered:
     """A HIT of the full path: rendered once per record and delivery, remembered for the
     repeats of the same body (`memo_key`, None under Cache-Control)."""
     info = request[CACHE_LOG] = _log_fields(hit.status, hit.reason, hit.key.short,
                                             hit.parsed.request.model)
     output = hit.record.output
     info["tokens"] = output.completion_tokens
-    ms = hit.record.provenance.get("generation_ms")
-    info["runner_ms"] = float(ms) if isinstance(ms, int | float) else 0.0
+    info["runner_ms"] = hit.generation_ms
     headers = _cache_headers(hit.status, hit.reason, hit.key, hit.fingerprint, hit.parsed,
                              stores=True, age=hit.age, ttl=proxy.options.ttl)
-    template = _hit_template(proxy, hit)
-    if memo_key is not None:
-        changing = ("Age", "Cache-Control") if proxy.options.ttl is not None else ("Age",)
+    template = _hit_template(hot.templates, hit)
+    if memo_key is not None and (held := proxy.hold(hit)) is not None:
+        ttl = proxy.options.ttl
+        changing = ("Age", "Cache-Control") if ttl is not None else ("Age",)
         fixed = [(k, v) for k, v in headers.items() if k not in changing]
-        proxy.remember(memo_key, Repeat(
-            fingerprint=hit.serving, key=hit.key, data=hit.data, endpoint=memo_key[0],
-            created_at=float(hit.record.provenance.get("created_at", 0.0)), template=template,
+        hot.repeats.remember(memo_key, Repeat(
+            proxy=proxy, hit=held, route=memo_key[0], ttl=ttl, template=template,
             head=header_lines([*fixed, ("Content-Type", template.content_type)]),
             log=SharedFields(info)))
-    body = template.render(ids.next(hit.parsed.delivery.api), int(time.time()))
+    body = template.render(hot.ids.next(hit.parsed.delivery.api), int(time.time()))
     return Rendered(header_lines([*headers.items(), ("Content-Type", template.content_type)]),
                     body)
 
 
-def _hit_template(proxy: CachingProxy, hit: Stored) -> Template:
+def _hit_template(templates: HitTemplates, hit: Stored) -> Template:
     """A stored answer rendered once per record and delivery, id and time left open."""
     record, parsed = hit.record, hit.parsed
     frame = _frame(parsed, hit.fingerprint, hit.key, ID_MARK, CREATED_MARK, cached=True)
@@ -148,15 +150,15 @@ def _hit_template(proxy: CachingProxy, hit: Stored) -> Template:
         def draw() -> Template:
             return Template(orjson.dumps(_body_of(frame, record.output)), JSON)
     memo_key = (hit.key, parsed.delivery, parsed.request.logprobs)
-    return proxy.memos.templates.get(memo_key, record, draw)
+    return templates.get(memo_key, record, draw)
 
 
 async def _flowing(request: web.Request, answer: Flowing, ttl: float | None,
-                   ids: ResponseIds) -> web.StreamResponse:
+                   hot: HitPath) -> web.StreamResponse:
     """An answer through a flight: relayed live (stream) or sent once it ends."""
     info = request[CACHE_LOG] = _log_fields(answer.status, answer.reason, answer.key.short,
                                             answer.parsed.request.model)
-    frame = _frame(answer.parsed, answer.fingerprint, answer.key, ids.next(
+    frame = _frame(answer.parsed, answer.fingerprint, answer.key, hot.ids.next(
         answer.parsed.delivery.api), int(time.time()), cached=answer.status is CacheStatus.HIT)
     flight = answer.flight
     if answer.parsed.delivery.stream:
@@ -175,7 +177,7 @@ async def _flowing(request: web.Request, answer: Flowing, ttl: float | None,
         frame = _prefilled(frame, flight, headers, info)
         headers["Content-Type"] = JSON
         response = Rendered(header_lines(headers.items()),
-                            _generated_body(flight, frame, output))
+                            _generated_body(hot.flight_bodies, flight, frame, output))
     if flight.output is not None:
         info["tokens"] = flight.output.completion_tokens
         if answer.status is not CacheStatus.COALESCED and flight.generation_ms is not None:
@@ -193,21 +195,21 @@ def _stored_or_why(answer: Flowing, info: dict[str, Any]) -> Reason:
     return why
 
 
-def _generated_body(flight: Flight, frame: render.Frame, output: Output) -> Body:
+def _generated_body(bodies: FlightBodies, flight: Flight, frame: Frame, output: Output
+                    ) -> Body:
     """A whole answer of a flight, rendered once for all its readers of one delivery (the
     id and time filled per reader): a hundred followers of a large answer cost one
     rendering, and share its bytes while they are sent."""
-    memo_key = (frame.delivery, frame.logprobs, frame.cached)
-    template = flight.rendered.get(memo_key)
-    if template is None:
+    def draw() -> Template:
         marked = dataclasses.replace(frame, id=ID_MARK, created=CREATED_MARK)
-        template = Template(orjson.dumps(_body_of(marked, output)), JSON)
-        flight.rendered[memo_key] = template
+        return Template(orjson.dumps(_body_of(marked, output)), JSON)
+
+    template = bodies.get(flight, (frame.delivery, frame.logprobs, frame.cached), draw)
     return template.render(frame.id, frame.created)
 
 
-def _prefilled(frame: render.Frame, flight: Flight, headers: dict[str, str],
-               info: dict[str, Any]) -> render.Frame:
+def _prefilled(frame: Frame, flight: Flight, headers: dict[str, str],
+               info: dict[str, Any]) -> Frame:
     """A generated answer's prefill in its headers, its usage and (for the one that ran it)
     its access line."""
     prefill = flight.prefill
@@ -228,10 +230,9 @@ def _log_fields(status: CacheStatus, reason: Reason, short_key: str, model: str
 
 
 def _frame(parsed: Parsed, fingerprint: str, key: str, response_id: str, created: int, *,
-           cached: bool) -> render.Frame:
-    return render.Frame(response_id, created, parsed.request.model, fingerprint,
-                        parsed.request.endpoint, parsed.delivery, parsed.request.logprobs,
-                        cached=cached, key=key)
+           cached: bool) -> Frame:
+    return Frame(response_id, created, parsed.request.model, fingerprint, parsed.delivery,
+                 parsed.request.logprobs, cached=cached, key=key)
 
 
 def _cache_headers(status: CacheStatus, reason: Reason, key: str, fingerprint: str,
@@ -249,7 +250,7 @@ def _cache_headers(status: CacheStatus, reason: Reason, key: str, fingerprint: s
     return headers
 
 
-async def _stream(request: web.Request, answer: Flowing, frame: render.Frame,
+async def _stream(request: web.Request, answer: Flowing, frame: Frame,
                   headers: dict[str, str]) -> web.StreamResponse:
     """A live generation (leader or follower): each chunk is sent as it is generated."""
     response = web.StreamResponse(headers={**headers, "Content-Type": SSE})
@@ -263,7 +264,7 @@ async def _stream(request: web.Request, answer: Flowing, frame: render.Frame,
     return response
 
 
-async def _relay(response: web.StreamResponse, answer: Flowing, frame: render.Frame,
+async def _relay(response: web.StreamResponse, answer: Flowing, frame: Frame,
                  info: dict[str, Any]) -> None:
     flight, stream = answer.flight, _stream_of(frame)
     await response.write(stream.start())

@@ -18,12 +18,19 @@ from aiohttp import web
 from cacheproxy.edge import admin, answers, info, status
 from cacheproxy.edge.aiohttp_adapter import expect_within
 from cacheproxy.edge.apis import APIS, ID_HEADS, Api
+from cacheproxy.edge.apis.frame import ResponseIds
 from cacheproxy.edge.apis.messages import routes as messages
 from cacheproxy.edge.auth import check_admin, client_identity
 from cacheproxy.edge.bodies import BodyLimits, BodyReads
 from cacheproxy.edge.origin import guarded, site_guard
-from cacheproxy.edge.render import ResponseIds
-from cacheproxy.edge.route import Handler, Limits, edge, json_response, no_route
+from cacheproxy.edge.route import (
+    Handler,
+    Limits,
+    Shape,
+    edge,
+    error_response,
+    no_route,
+)
 from cacheproxy.edge.routing import Router
 from cacheproxy.edge.state import (
     BODIES,
@@ -95,7 +102,8 @@ async def _fold_tally(app: web.Application) -> AsyncIterator[None]:
     await asyncio.gather(task, return_exceptions=True)
 
 
-def _refusal(limit: int) -> Callable[[int | str], web.StreamResponse]:
+def _refusal(limit: int, shape: Shape | None) -> Callable[[int | str], web.StreamResponse]:
+    """The 417 or 413 of a route's Expect handler, in its API's error `shape`."""
     def refuse(what: int | str) -> web.StreamResponse:
         error: ProxyError
         if isinstance(what, str):
@@ -104,7 +112,7 @@ def _refusal(limit: int) -> Callable[[int | str], web.StreamResponse]:
             log.info("body_refused", content_length=what, limit=limit)
             error = PayloadTooLarge(f"the request body ({what} bytes) is over the limit of "
                                     f"{limit} bytes")
-        return json_response(error.body(), status=error.status, headers=error.headers())
+        return error_response(error, shape)
 
     return refuse
 
@@ -123,10 +131,11 @@ def _status_guard(options: EdgeOptions, keys: tuple[bytes, ...]) -> dict[str, An
 
 
 def _guarded_expect(expect: Callable[[web.Request], Awaitable[web.StreamResponse | None]],
-                    guard: Callable[[web.Request], object] | None
+                    guard: Callable[[web.Request], object] | None, shape: Shape | None
                     ) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:
     """A route's Expect handler that runs its guard first: a caller without a key (or from
-    a refused site) gets its 401 (403) instead of `100 Continue`, and is closed unread."""
+    a refused site) gets its 401 (403), in the route's API's `shape`, instead of
+    `100 Continue`, and is closed unread."""
     if guard is None:
         return expect
 
@@ -134,7 +143,7 @@ def _guarded_expect(expect: Callable[[web.Request], Awaitable[web.StreamResponse
         try:
             guard(request)
         except ProxyError as exc:
-            response = json_response(exc.body(), status=exc.status, headers=exc.headers())
+            response = error_response(exc, shape)
             response.force_close()  # the body it announced is never read (nor lingered on)
             request.content.feed_eof()
             return response
@@ -203,7 +212,6 @@ def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics,
             ("POST", "/admin/explain", admin.explain, guard),
         ]
     allowed: dict[str, set[str]] = {}
-    expect = expect_within(options.max_body_bytes, _refusal(options.max_body_bytes))
     site = site_guard(options.bound_host, options.api_keys, hosts=options.allowed_hosts,
                       origins=options.allowed_origins) if options.bound_host else None
     # Every GET route answers HEAD too (its head, no body): Claude Code probes `HEAD /`.
@@ -211,7 +219,11 @@ def _add_routes(app: web.Application, options: EdgeOptions, metrics: Metrics,
                for method, path, handler, route_options in routes if method == "GET"]
     for method, path, handler, route_options in routes:
         with_site = guarded(route_options, site)
+        # Refused before its body is read (401, 403, 413, 417): in the route's API's shape.
+        shape = with_site.get("shape")
+        expect = expect_within(options.max_body_bytes, _refusal(options.max_body_bytes, shape))
         app.router.add_route(method, path, edge(handler, endpoint=path, **with_site),
-                             expect_handler=_guarded_expect(expect, with_site.get("guard")))
+                             expect_handler=_guarded_expect(expect, with_site.get("guard"),
+                                                            shape))
         allowed.setdefault(path, set()).add(method)
     app.router.add_route("*", "/{tail:.*}", edge(no_route(allowed), **guarded({}, site)))

@@ -59,7 +59,8 @@ Shape = Callable[[ProxyError], dict[str, object]]
 """An API's error body (OpenAI's `error.body()` unless the route says otherwise)."""
 
 
-def _error_response(error: ProxyError, shape: Shape | None = None) -> web.Response:
+def error_response(error: ProxyError, shape: Shape | None = None) -> web.Response:
+    """The error's response in its route's API's shape."""
     body = error.body() if shape is None else shape(error)
     return json_response(body, status=error.status, headers=error.headers())
 
@@ -106,7 +107,7 @@ def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
                 counted = True
             response = await handler(request)
         except ProxyError as exc:
-            response = _error_response(exc, shape)
+            response = error_response(exc, shape)
             if exc.closes:
                 response.force_close()
                 if not request.content.is_eof():  # unread: closed at once, not lingered on
@@ -114,14 +115,14 @@ def edge(handler: Handler, *, guard: Guard | None = None, endpoint: str = "",
             if exc.cache_log is not None:
                 request[CACHE_LOG] = exc.cache_log
         except BackendError as exc:  # a store call outside the cache path (admin API)
-            response = _error_response(StoreDown(f"the store failed: {exc}"), shape)
+            response = error_response(StoreDown(f"the store failed: {exc}"), shape)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            response = _error_response(_as_proxy_error(exc, request), shape)
+            response = error_response(_as_proxy_error(exc, request), shape)
         except Exception:
             log.exception("unhandled_error", request_id=request_id, path=request.path)
-            response = _error_response(GenerationFailed("internal error"), shape)
+            response = error_response(GenerationFailed("internal error"), shape)
         finally:
             if counted and limits is not None:
                 limits.in_flight -= 1

@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from cacheproxy.edge.apis.frame import ResponseIds
 from cacheproxy.edge.bodies import BodyReads
-from cacheproxy.edge.render import ResponseIds
+from cacheproxy.edge.repeats import Repeats
 from cacheproxy.edge.routing import Router
+from cacheproxy.edge.templates import FlightBodies, HitTemplates
 from cacheproxy.observe.metrics import Metrics
 from cacheproxy.service.invalidation import Invalidator
 from cacheproxy.service.proxy import CachingProxy
@@ -37,12 +39,16 @@ class EdgeOptions:
 
 @dataclass(slots=True)
 class HitPath:
-    """What the answer routes read on every request, held by the routes themselves: on a
-    repeat HIT each `request.app[KEY]` cost two property calls and a method call."""
+    """What the answer routes read on every request, held by the routes themselves (on a
+    repeat HIT each `request.app[KEY]` cost two property calls and a method call), and the
+    memos of rendered bytes."""
 
     options: EdgeOptions
     ids: ResponseIds
     router: Router[CachingProxy] = field(init=False)  # set when the app starts (ROUTER too)
+    repeats: Repeats = field(default_factory=Repeats)  # whole HIT responses, by body
+    templates: HitTemplates = field(default_factory=HitTemplates)  # stored answers rendered
+    flight_bodies: FlightBodies = field(default_factory=FlightBodies)  # generated ones
 
 
 @dataclass(frozen=True, slots=True)

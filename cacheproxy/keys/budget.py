@@ -2,8 +2,9 @@
 
 Checking a schema (jsonschema's `check_schema`, llguidance's validation) costs time in
 proportion to its size, and both hold the interpreter while they run: a 10,000-property
-`response_format` took 4.3 s. So the parts of a body that carry schemas (`tools`,
-`functions`, `response_format`, Responses' `text`) are counted first, in one walk without
+`response_format` took 4.3 s. So the parts of a body that carry schemas (each API names its
+own: chat's `tools`, `functions`, `response_format`, Responses' `tools` and `text`, Messages'
+`tools`, `output_config.format` and `output_format`) are counted first, in one walk without
 recursion, and a request over any bound is a 400 `schema_too_complex` naming the bound.
 The defaults follow OpenAI's own structured-output limits (5,000 properties, 1,000 enum
 values, 128 tools) and leave the nesting generous (JSON depth, not schema levels).
@@ -19,8 +20,11 @@ import orjson
 
 from cacheproxy.errors import SchemaTooComplex
 
-SCHEMA_FIELDS = ("tools", "functions", "response_format", "text")
-"""The body fields whose values may carry JSON schemas (chat, legacy functions, Responses)."""
+SchemaFields = tuple[str, ...]
+"""The fields of an API's bodies that may carry JSON schemas; a dotted name is a field of an
+object field (`output_config.format`)."""
+SCHEMA_FIELDS: SchemaFields = ("tools", "functions", "response_format", "text")
+"""Those of the OpenAI APIs (chat, legacy functions, Responses): the default."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,14 +38,24 @@ class SchemaBudget:
     max_depth: int = 64  # JSON nesting of a schema-carrying field
 
 
-def carries_schemas(body: object) -> bool:
+def _at(body: Mapping[str, Any], name: str) -> object:
+    """The value of a (dotted) field, None where it or an object on its way is missing."""
+    value: object = body
+    for part in name.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value
+
+
+def carries_schemas(body: object, fields: SchemaFields = SCHEMA_FIELDS) -> bool:
     """Whether a decoded body has a field that may carry a schema (the expensive parse)."""
-    return isinstance(body, dict) and any(body.get(name) is not None for name in SCHEMA_FIELDS)
+    return isinstance(body, dict) and any(_at(body, name) is not None for name in fields)
 
 
-def check(body: Mapping[str, Any], budget: SchemaBudget) -> None:
-    """400 `schema_too_complex` when the body's schemas go over any bound of `budget`."""
-    parts = {name: body[name] for name in SCHEMA_FIELDS if body.get(name) is not None}
+def check(body: Mapping[str, Any], budget: SchemaBudget,
+          fields: SchemaFields = SCHEMA_FIELDS) -> None:
+    """400 `schema_too_complex` when the body's schemas (in `fields`) go over any bound of
+    `budget`."""
+    parts = {name: value for name in fields if (value := _at(body, name)) is not None}
     try:
         size = len(orjson.dumps(parts))
     except TypeError:  # (orjson's own bound: 255 levels)

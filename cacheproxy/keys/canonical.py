@@ -300,17 +300,21 @@ def _sampling(body: Mapping[str, Any], mode: SamplingMode) -> SamplingOutcome:
 def parse(
     body: object, endpoint: Endpoint, defaults: RunnerDefaults, mode: SamplingMode,
     *, max_tokens_cap: int | None = None, max_answer_tokens: int | None = None,
+    max_stops: int = fields.MAX_STOPS,
 ) -> Parsed:
     """Validate a decoded JSON body and build its canonical request; `max_answer_tokens`
-    bounds what one answer may hold (choices x tokens x (1 + logprob alternatives))."""
+    bounds what one answer may hold (choices x tokens x (1 + logprob alternatives)),
+    `max_stops` its stop sequences (an API translated to chat may take more than OpenAI)."""
     try:
-        return _parse(body, endpoint, defaults, mode, max_tokens_cap, max_answer_tokens)
+        return _parse(body, endpoint, defaults, mode, max_tokens_cap, max_answer_tokens,
+                      max_stops)
     except RecursionError:  # a schema or kwargs nested hundreds deep: walked recursively
         raise InvalidRequest("the request nests JSON too deeply to be read") from None
 
 
 def _parse(body: object, endpoint: Endpoint, defaults: RunnerDefaults, mode: SamplingMode,
-           max_tokens_cap: int | None, max_answer_tokens: int | None) -> Parsed:
+           max_tokens_cap: int | None, max_answer_tokens: int | None,
+           max_stops: int = fields.MAX_STOPS) -> Parsed:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     _reject_unsupported(body, endpoint)
@@ -342,7 +346,7 @@ def _parse(body: object, endpoint: Endpoint, defaults: RunnerDefaults, mode: Sam
         prompt=_prompt(body) if endpoint == "completions" else "",
         max_tokens=max_tokens or defaults.max_tokens,
         sampling=outcome.sampling,
-        stop=fields.stop_list(body),
+        stop=fields.stop_list(body, most=max_stops),
         presence_penalty=fields.number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         frequency_penalty=fields.number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         repetition_penalty=fields.number(body, "repetition_penalty", 1.0, lo=0.01, hi=10.0),

@@ -105,16 +105,21 @@ def stream_options(body: Mapping[str, Any], allowed: frozenset[str]) -> Mapping[
     return options
 
 
-def stop_list(body: Mapping[str, Any], field: str = "stop") -> tuple[str, ...]:
-    """`stop` as a list of up to 4 non-empty strings (a lone string is merged in)."""
+MAX_STOPS = 4
+"""OpenAI's bound on `stop` (Anthropic's stop_sequences have their own: edge/apis/messages)."""
+
+
+def stop_list(body: Mapping[str, Any], field: str = "stop", *,
+              most: int = MAX_STOPS) -> tuple[str, ...]:
+    """`stop` as a list of up to `most` non-empty strings (a lone string is merged in)."""
     value = body.get(field)
     if value is None:
         return ()
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
         raise _bad(field, "a string or a list of strings", value)
-    if len(items) > 4:
-        raise InvalidRequest(f"'{field}' takes at most 4 sequences", param=field)
+    if len(items) > most:
+        raise InvalidRequest(f"'{field}' takes at most {most} sequences", param=field)
     if any(s == "" for s in items):
         raise InvalidRequest(f"'{field}' sequences must not be empty", param=field)
     return tuple(sorted(set(items)))

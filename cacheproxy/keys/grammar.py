@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from functools import lru_cache
 from importlib import metadata
 from typing import Any
 
@@ -91,14 +90,14 @@ def answer_grammar(canonical_format: str) -> str:
 
 
 def enforceable(tool: Tool) -> bool:
-    """Whether the engine can hold a tool's arguments to its schema (strict ones must be)."""
-    return tool.strict is True or _compiles(tool.parameters)
-
-
-@lru_cache(maxsize=1024)
-def _compiles(parameters: str) -> bool:
+    """Whether the engine can hold a tool's arguments to its schema (strict ones must be).
+    Compiled every time, never remembered: a process-wide memo by schema text answered at
+    once for a schema any client had sent before, so under per-key scope a tenant could
+    tell by timing whether another had sent it (#34). Its cost is the schema's own."""
+    if tool.strict is True:
+        return True
     try:
-        schema_grammar(json.loads(parameters), "tools")
+        schema_grammar(json.loads(tool.parameters), "tools")
     except Unsupported:
         return False
     return True

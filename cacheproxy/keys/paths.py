@@ -10,7 +10,6 @@ error back with the API's own path, in its `param` and where its message quotes 
 
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -69,7 +68,9 @@ def renamed(error: ProxyError, paths: Paths) -> ProxyError:
     chat = error.param
     if chat is None or paths.of(chat) == chat:
         return error
-    out, api = copy.copy(error), paths.of(chat)
+    api = paths.of(chat)
+    out = type(error).__new__(type(error))  # (not copy.copy: that calls __init__ with
+    out.__dict__.update(error.__dict__)  # args, which ContextLengthExceeded's are not)
     out.param = api
     # Quoted, as most messages name it; bare too when it cannot be a plain word (max_tokens).
     named = re.escape(chat) if re.search(r"[_.\[]", chat) else f"'{re.escape(chat)}'"

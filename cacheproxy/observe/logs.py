@@ -99,6 +99,12 @@ class BatchedLines:
 
     warn = error = critical = exception = fatal = warning
 
+    def notice(self, event: str, message: str, level: str = "info") -> None:
+        """A line for the operator (the start-up banner, a warning about the settings),
+        whatever the log level: `message` as a field of one JSON line, written at once."""
+        self.warning(orjson.dumps({"event": event, "message": message, "level": level,
+                                   "timestamp": self._stamp.format(time.time())}))
+
     def flush(self) -> None:
         """Write what is queued."""
         if not self._lines:
@@ -271,6 +277,9 @@ def _route_stdlib_logging(batched: BatchedLines | None, stamp: IsoTimestamp) -> 
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)  # the access line is ours, one per request
+    # Python warnings (warnings.warn: a library's deprecation, say) are records too, not
+    # raw "file:line: UserWarning: ..." text among the JSON lines.
+    logging.captureWarnings(batched is not None)
     # transformers writes its own "[transformers] ..." lines (the tokenizer's warning of a
     # prompt longer than the model's context, say) unless told to hand them to the root;
     # its advice at import ("PyTorch was not found": mlx needs none) is not for operators.

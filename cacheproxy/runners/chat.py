@@ -17,8 +17,8 @@ renders no such opening cannot be forced (400).
 The output is split into answer text, reasoning and tool calls by mlx-lm's
 `TextStateMachine` (built by `make_text_state_machine`, the markers inferred from the
 tokenizer exactly as mlx_lm.server infers them), and each call is parsed by the tool parser
-mlx-lm infers from the chat template. A call that does not parse stays in the answer as the
-text the model wrote, markers included.
+mlx-lm infers from the chat template. A call that does not parse, or whose arguments are not
+a JSON object, stays in the answer as the text the model wrote, markers included.
 """
 
 from __future__ import annotations
@@ -218,9 +218,23 @@ class ChatSplit:
         for call in parsed if isinstance(parsed, list) else [parsed]:
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
                 return None
-            arguments = call.get("arguments", {})
-            if isinstance(arguments, str):
-                out.append((call["name"], arguments))
-            else:  # as mlx_lm.server formats them
-                out.append((call["name"], json.dumps(arguments, ensure_ascii=False)))
+            arguments = _arguments(call.get("arguments", {}))
+            if arguments is None:
+                return None
+            out.append((call["name"], arguments))
         return out
+
+
+def _arguments(value: object) -> str | None:
+    """A call's arguments as JSON text, None unless they are an object: a tool's input is
+    one (Anthropic's tool_use.input must be, OpenAI's parameters schemas are), so a call
+    with a list, a number or a string of anything else is text the model wrote."""
+    if isinstance(value, str):  # arguments written as JSON text: kept as written
+        try:
+            decoded = json.loads(value)
+        except ValueError:
+            return None
+        return value if isinstance(decoded, dict) else None
+    if isinstance(value, dict):  # as mlx_lm.server formats them
+        return json.dumps(value, ensure_ascii=False)
+    return None

@@ -204,8 +204,8 @@ class MlxRunner:
         context = loaded.defaults.context_length
         if len(prompt.ids) >= context:
             raise ContextLengthExceeded(
-                f"the prompt is {len(prompt.ids)} tokens; this model's context is {context} "
-                "tokens", param="messages" if request.endpoint == "chat" else "prompt")
+                len(prompt.ids), context,
+                param="messages" if request.endpoint == "chat" else "prompt")
         self.generations += 1
         return prompt, assembler, min(request.max_tokens, context - len(prompt.ids))
 

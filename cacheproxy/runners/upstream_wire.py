@@ -191,6 +191,14 @@ def _calls(raw: object) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def _is_object(arguments: str) -> bool:
+    """Whether a call's arguments are a JSON object (a tool's input is one)."""
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
+
+
 class UpstreamRejected(ProxyError):
     """The upstream refused the request (4xx): its status and message are passed through."""
 
@@ -249,12 +257,15 @@ class Reading:
 
     def take(self, d: Delta) -> bool:
         """Relay one event; True when the proxy ends the answer here."""
-        if d.calls and not self._offered:
-            # mlx_lm.server parses a call whether tools were offered or not; the in-process
-            # runner keeps such text as text, so the call is written back as text in the
-            # template's call markup (mlx_lm.server re-serialized its arguments).
-            d = d._replace(text=d.text + "".join(self._as_text(n, a) for n, a in d.calls),
-                           calls=())
+        if d.calls:
+            # mlx_lm.server parses a call whether tools were offered or not, and whatever its
+            # arguments; the in-process runner keeps such text (no tools, arguments that are
+            # no JSON object) as text, so the call is written back as text in the template's
+            # call markup (mlx_lm.server re-serialized its arguments).
+            texts = [c for c in d.calls if not self._offered or not _is_object(c[1])]
+            if texts:
+                d = d._replace(text=d.text + "".join(self._as_text(n, a) for n, a in texts),
+                               calls=tuple(c for c in d.calls if c not in texts))
         if d.text or d.reasoning or d.calls:
             self.deltas += 1
         if d.reasoning:
@@ -277,14 +288,18 @@ class Reading:
                 self.finish, self.cut = "tool_calls", True
                 return True
         self.finish = d.finish_reason or self.finish
-        if self.finish == "tool_calls" and not self._offered:
+        if self.finish == "tool_calls" and not self.calls:
             self.finish = "stop"  # (the call is text)
         self.usage = d.usage or self.usage
         return False
 
     def _as_text(self, name: str, arguments: str) -> str:
         start, end = self._markers
-        call = json.dumps({"name": name, "arguments": json.loads(arguments)}, ensure_ascii=False)
+        try:
+            value: Any = json.loads(arguments)
+        except ValueError:
+            value = arguments
+        call = json.dumps({"name": name, "arguments": value}, ensure_ascii=False)
         return f"{start}\n{call}\n{end}"
 
     @property

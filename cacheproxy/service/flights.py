@@ -8,14 +8,13 @@ still running at shutdown.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from cacheproxy.errors import GenerationFailed, ProxyError
 from cacheproxy.keys.codec import Chunk, Output
 from cacheproxy.keys.key import CacheKey
 from cacheproxy.runners.base import Prefill
 from cacheproxy.runners.live import Live
-from cacheproxy.service.memos import Template
 from policies.status import Reason
 
 
@@ -33,8 +32,6 @@ class Flight:
         self.generation_ms: float | None = None
         self.revalidated: str | None = None  # "match" | "mismatch" after a no-cache refill
         self.not_stored: Reason | None = None  # why an answer to be stored was not (store-full)
-        # The edge's whole renderings of the output, one per delivery: its readers share them.
-        self.rendered: dict[Hashable, Template] = {}
         self.prefill: Prefill | None = None  # what the generation's prefill did (in-process)
         self.live = Live()  # a streaming reader takes the chunks as they come
         self._changed = asyncio.Event()  # replaced at every change: wakes every reader

@@ -1,8 +1,9 @@
 """Parsing a request body: remembered for repeats, and never on the event loop when it is
 expensive.
 
-Most bodies parse in microseconds, on the loop. A body that carries schemas (tools,
-functions, response_format, Responses' text) or is large costs up to seconds of checks
+Most bodies parse in microseconds, on the loop. A body that carries schemas (in the fields
+its API names: chat's tools, functions and response_format, Responses' text, Messages'
+output_config.format...) or is large costs up to seconds of checks
 (jsonschema, llguidance), during which the loop would serve nobody, cached HITs included.
 Such a body is counted against the `SchemaBudget` and parsed on `ParsePool`'s worker: one
 thread, taking the cache scopes (keys, under per-key) in turns; a bounded number of parses
@@ -24,7 +25,7 @@ from cacheproxy.keys import budget
 from cacheproxy.keys.budget import SchemaBudget
 from cacheproxy.keys.canonical import Parsed, Route, RunnerDefaults
 from cacheproxy.keys.fields import decode_body
-from cacheproxy.service.memos import LRU, MAX_MEMO_BODY, Parse
+from cacheproxy.service.memos import LRU, MAX_MEMO_BODY, BodyParser
 from policies.sampling import SamplingMode
 
 T = TypeVar("T")
@@ -51,6 +52,7 @@ class ParsePool:
         self.max_outstanding, self.max_per_scope = max_outstanding, max_per_scope
         self.timeout = timeout
         self.outstanding = 0  # submitted and not finished (a timed-out one still runs)
+        self.started = 0  # jobs started on the worker, ever (a figure for tests and status)
         self._waiting: dict[str, deque[_Job]] = {}
         self._by_scope: Counter[str] = Counter()
         self._turns: dict[str, int] = {}  # scope -> the turn it was last served in
@@ -90,6 +92,7 @@ class ParsePool:
         self._turn += 1
         self._turns[scope] = self._turn
         self._busy = True
+        self.started += 1
         queued.started.set()
         future = asyncio.get_running_loop().run_in_executor(self._executor, queued.run)
         future.add_done_callback(lambda f: self._ended(f, queued, scope))
@@ -119,7 +122,7 @@ class ParseMemo:
     """Repeated identical bodies (of one cache scope) skip JSON decoding and
     canonicalization; expensive first parses run on a `ParsePool`."""
 
-    def __init__(self, parsers: Mapping[Route, Parse], max_entries: int = 4096, *,
+    def __init__(self, parsers: Mapping[Route, BodyParser], max_entries: int = 4096, *,
                  max_tokens_cap: int | None = None, max_answer_tokens: int | None = None,
                  schema_budget: SchemaBudget | None = None,
                  pool: ParsePool | None = None) -> None:
@@ -149,7 +152,7 @@ class ParseMemo:
         if known is not None:
             return known
         self.decodes += 1
-        parsed = self._parse_body(decode_body(raw), route, defaults, mode)
+        parsed = self._parse_body(decode_body(raw), self._parsers[route], defaults, mode)
         return self._remember(raw, route, defaults, mode, scope, parsed)
 
     async def parse_off_loop(self, raw: bytes, route: Route, defaults: RunnerDefaults,
@@ -158,27 +161,34 @@ class ParseMemo:
         carries no schema, else on the pool (decoded there too when it is large)."""
         if self.pool is None:
             return self.parse(raw, route, defaults, mode, scope)
-        self.decodes += 1
-        body = decode_body(raw) if len(raw) <= INLINE_BODY else None
-        if body is not None and not budget.carries_schemas(body):
-            parsed = self._parse_body(body, route, defaults, mode)
-        else:
-            decoded = body
-
-            def job() -> Parsed:  # (touches no memo: they belong to the loop's thread)
-                whole = decoded if decoded is not None else decode_body(raw)
-                return self._parse_body(whole, route, defaults, mode)
-
-            parsed = await self.pool.run(job, scope)
+        parsed = await self.parse_with(raw, self._parsers[route], defaults, mode, scope)
         return self._remember(raw, route, defaults, mode, scope, parsed)
 
-    def _parse_body(self, body: object, route: Route, defaults: RunnerDefaults,
+    async def parse_with(self, raw: bytes, parser: BodyParser, defaults: RunnerDefaults,
+                         mode: SamplingMode, scope: str = "") -> Parsed:
+        """`parser`'s parse of `raw` (an API's other one, as count_tokens'), within the
+        schema budget and where `parse_off_loop` would run it; not remembered."""
+        self.decodes += 1
+        body = decode_body(raw) if len(raw) <= INLINE_BODY else None
+        if self.pool is None or (body is not None and
+                                 not budget.carries_schemas(body, parser.schema_fields)):
+            return self._parse_body(body if body is not None else decode_body(raw), parser,
+                                    defaults, mode)
+        decoded = body
+
+        def job() -> Parsed:  # (touches no memo: they belong to the loop's thread)
+            whole = decoded if decoded is not None else decode_body(raw)
+            return self._parse_body(whole, parser, defaults, mode)
+
+        return await self.pool.run(job, scope)
+
+    def _parse_body(self, body: object, parser: BodyParser, defaults: RunnerDefaults,
                     mode: SamplingMode) -> Parsed:
         """A decoded body's parse, its schemas counted against the budget first."""
         if isinstance(body, dict):
-            budget.check(body, self._schemas)
-        return self._parsers[route](body, defaults, mode, max_tokens_cap=self._cap,
-                                    max_answer_tokens=self._budget)
+            budget.check(body, self._schemas, parser.schema_fields)
+        return parser.parse(body, defaults, mode, max_tokens_cap=self._cap,
+                            max_answer_tokens=self._budget)
 
     def _remember(self, raw: bytes, route: Route, defaults: RunnerDefaults,
                   mode: SamplingMode, scope: str, parsed: Parsed) -> Parsed:

@@ -1,8 +1,8 @@
 """CachingProxy: the order of operations for one request.
 
-0. a repeat of a remembered HIT (the same body bytes, no Cache-Control): served again as
-   it was while the memo's rule holds (see `memos`)             -> HIT, nothing re-derived
-   (`recall` is this step alone, without I/O or a coroutine: the edge asks it first)
+0. (the edge) a repeat of a remembered HIT (the same body bytes, no Cache-Control): the edge
+   sends its remembered response again while the service vouches for the HIT (`holds`
+   without I/O or a coroutine, else `still_stored`; the rule is in `memos`) -> HIT
 1. parse: validate the body, build the canonical request and the sampling decision (400s);
    a body with schemas, or a large one, on the parse pool (never on the loop: `parsing`)
 2. wait while a reload holds requests; key = make_key(request, serving fingerprint)
@@ -35,7 +35,7 @@ from cacheproxy.service.breaker import StoreUnavailable
 from cacheproxy.service.fill import Filler, FillOrder
 from cacheproxy.service.fleet import Fleet
 from cacheproxy.service.flights import Flight, Flights
-from cacheproxy.service.memos import Memos, Parse, Repeat, RepeatKey
+from cacheproxy.service.memos import BodyParser, Memos
 from cacheproxy.service.parsing import ParseMemo, ParsePool
 from cacheproxy.service.storage import StoreAccess
 from policies.cache_control import parse_cache_control
@@ -55,8 +55,21 @@ class Stored:
     record: codec.Record
     data: bytes  # the record as the store returned it
     age: float
-    serving: Fingerprint  # the very object it was keyed under (see `remember`)
+    serving: Fingerprint  # the very object it was keyed under (see `hold`)
+    created_at: float  # of the record (provenance, typed)
+    generation_ms: float  # what generating it took (0.0 when the record does not say)
     status: CacheStatus = CacheStatus.HIT
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A HIT as the service can vouch for it again (`holds`, `still_stored`): the store's
+    bytes under its key, served under that very fingerprint object."""
+
+    fingerprint: Fingerprint  # compared by `is`: a reload makes another object
+    key: CacheKey
+    data: bytes
+    created_at: float  # of the stored record
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +86,7 @@ class Flowing:
     age: float = 0.0  # of the stored record a fill replayed
 
 
-Answer = Repeat | Stored | Flowing
+Answer = Stored | Flowing
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,6 +122,16 @@ def _not_recorded(route: Route, parsed: Parsed, key: CacheKey) -> NotRecorded:
         "by serving without --replay, or add it to the recording", request=request.wire())
 
 
+def _stored(parsed: Parsed, reason: Reason, key: CacheKey, fingerprint: str,
+            found: tuple[codec.Record, bytes], age: float, serving: Fingerprint) -> Stored:
+    """A HIT with the times of its provenance read once, typed."""
+    record, data = found
+    ms = record.provenance.get("generation_ms")
+    return Stored(parsed, reason, key, fingerprint, record, data, age, serving,
+                  created_at=float(record.provenance.get("created_at", 0.0)),
+                  generation_ms=float(ms) if isinstance(ms, int | float) else 0.0)
+
+
 async def _always_open() -> None:
     return None
 
@@ -122,7 +145,8 @@ class CachingProxy:
 
     def __init__(
         self, runner: Runner, store: Backend, options: ServiceOptions, *,
-        parsers: Mapping[Route, Parse], gate: Callable[[], Awaitable[None]] = _always_open,
+        parsers: Mapping[Route, BodyParser],
+        gate: Callable[[], Awaitable[None]] = _always_open,
         gate_open: Callable[[], bool] = _is_open, clock: Callable[[], float] = time.time,
     ) -> None:
         self.runner = runner
@@ -133,7 +157,6 @@ class CachingProxy:
         self.memos = Memos(parser=ParseMemo(parsers, max_tokens_cap=options.max_tokens_cap,
                                             max_answer_tokens=options.max_answer_tokens,
                                             schema_budget=options.schema_budget, pool=pool))
-        self._repeats = self.memos.repeats
         self.storage = StoreAccess(store, store_retry=options.store_retry, ttl=options.ttl,
                                    decoded=self.memos.decoded)
         self.breaker = self.storage.breaker
@@ -145,26 +168,9 @@ class CachingProxy:
         self._filler = Filler(runner, self.storage, fleet,
                               generation_timeout=options.generation_timeout, clock=clock)
 
-    def recall(self, endpoint: Route, raw: bytes, scope: str) -> Repeat | None:
-        """Step 0 where it needs no I/O: the remembered HIT of these bytes, when the store
-        holds it in this process (memory, a tiered store's L1) and the rule holds; None
-        otherwise (then `answer` takes every step, step 0 with the store's re-read too).
-        Synchronous because a coroutine costs ~1.5 % of a repeat HIT (callgrind)."""
-        repeat = self._repeats.get((endpoint, scope, raw))
-        if repeat is not None and self._still_held(repeat):
-            return repeat
-        return None
-
     async def answer(self, endpoint: Route, raw: bytes, scope: str = "",
                      control: str | None = None) -> Answer:
         """Find or produce the answer to a request body (the order of operations above)."""
-        if control is None:  # 0: a remembered HIT (the hit path: the fewest steps possible)
-            memo_key = (endpoint, scope, raw)
-            repeat = self._repeats.get(memo_key)
-            if repeat is not None:
-                if self._still_held(repeat) or await self._still_stored(repeat):
-                    return repeat
-                self._repeats.forget(memo_key)
         parser, defaults = self.memos.parser, self.runner.defaults()
         parsed = parser.known(raw, endpoint, defaults, self.options.sampling, scope) or \
             await parser.parse_off_loop(raw, endpoint, defaults, self.options.sampling, scope)
@@ -186,8 +192,8 @@ class CachingProxy:
             case Action.SERVE:
                 if found is None:
                     raise RuntimeError("a plan to serve a stored answer, without one")
-                return Stored(parsed, the_plan.reason, key, fingerprint, found[0], found[1],
-                              lookup.age, serving)
+                return _stored(parsed, the_plan.reason, key, fingerprint, found, lookup.age,
+                               serving)
             case Action.FILL | Action.FOLLOW | Action.REGENERATE | Action.GENERATE:
                 return await self._execute(the_plan, parsed, key, fingerprint,
                                            None if found is None else found[0], scope)
@@ -228,44 +234,46 @@ class CachingProxy:
         return Flowing(parsed, status, the_plan.reason, key, fingerprint, flight,
                        the_plan.stores, age)
 
-    def remember(self, memo_key: RepeatKey, repeat: Repeat) -> None:
-        """Keep a HIT rendered by the edge for the repeats of its body, while the
-        fingerprint it was keyed under is the one serving."""
-        if self.runner.fingerprint() is repeat.fingerprint:
-            self.memos.repeats.remember(memo_key, repeat)
+    def hold(self, hit: Stored) -> Held | None:
+        """The HIT as the service can vouch for it again, while the fingerprint it was keyed
+        under is the one serving (else None: nothing to remember)."""
+        if self.runner.fingerprint() is not hit.serving:
+            return None
+        return Held(hit.serving, hit.key, hit.data, hit.created_at)
 
-    def _serving_as_then(self, repeat: Repeat) -> bool:
-        """The conditions of a remembered HIT that need no store: no reload in progress,
-        that very fingerprint serving, the store's breaker closed."""
-        return self._gate_open() and self.runner.fingerprint() is repeat.fingerprint and \
-            self.breaker.closed
-
-    def _still_held(self, repeat: Repeat) -> bool:
-        """_still_stored() answered without I/O, where the store holds the value in this
-        process (memory, a tiered store's L1): True when it holds. False never means the
-        HIT is gone: ask _still_stored then."""
+    def holds(self, hit: Held) -> bool:
+        """Whether the full path would serve `hit` again, answered without I/O where the
+        store holds the value in this process (memory, a tiered store's L1). False never
+        means the HIT is gone: ask `still_stored` then. Synchronous because a coroutine costs
+        ~1.5 % of a repeat HIT (callgrind)."""
         peek = self._peek
         # _serving_as_then, inlined: this is on every repeat HIT.
         if peek is None or not self._gate_open() or \
-                self.runner.fingerprint() is not repeat.fingerprint or not self.breaker.closed:
+                self.runner.fingerprint() is not hit.fingerprint or not self.breaker.closed:
             return False
         try:
-            return peek(repeat.key) == repeat.data  # bytes compare identity first
+            return peek(hit.key) == hit.data  # bytes compare identity first
         except BackendError:  # closed: the full path says what that means
             return False
 
-    async def _still_stored(self, repeat: Repeat) -> bool:
+    async def still_stored(self, hit: Held) -> bool:
         """The gate is open, the runner serves that very fingerprint, the breaker is closed
         and the store returns the same bytes: the full path would give the same answer."""
-        if not self._serving_as_then(repeat):
+        if not self._serving_as_then(hit):
             return False
         try:
-            now = await self.storage.get(repeat.key)
+            now = await self.storage.get(hit.key)
         except StoreUnavailable as exc:
             # The breaker is open now: the full path answers without the store, and counts.
-            self.storage.failed("get", repeat.key, exc, count=False)
+            self.storage.failed("get", hit.key, exc, count=False)
             return False
-        return now == repeat.data
+        return now == hit.data
+
+    def _serving_as_then(self, hit: Held) -> bool:
+        """The conditions of a remembered HIT that need no store: no reload in progress,
+        that very fingerprint serving, the store's breaker closed."""
+        return self._gate_open() and self.runner.fingerprint() is hit.fingerprint and \
+            self.breaker.closed
 
     async def aclose(self) -> None:
         """Cancel fills in progress; drop the parses not started."""

@@ -6,15 +6,18 @@ Responses."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import aiohttp
 import anthropic
+import openai
 import pytest
 from anthropic.types import RawMessageStreamEvent
 from pydantic import BaseModel, TypeAdapter
 
+from cacheproxy.edge.state import PROXY
 from tests.conftest import Proxy, ProxyFactory
 
 MODEL = "cacheproxy-demo"
@@ -137,6 +140,35 @@ async def test_a_streamed_hit_has_the_events_and_boundaries_of_the_miss(
         and e.delta.type == "text_delta")
 
 
+async def test_an_omitted_thought_goes_back_in_the_history_as_if_shown(
+    make_proxy: ProxyFactory
+) -> None:
+    proxy = await make_proxy()
+    omitted = {"type": "adaptive", "display": "omitted"}
+    hidden, h1 = await create(proxy, max_tokens=64, messages=FOX, thinking=omitted)
+    shown, h2 = await create(proxy, max_tokens=64, messages=FOX, thinking={"type": "adaptive"})
+    assert (h1["x-cache"], h2["x-cache"]) == ("MISS", "HIT")  # one answer, shown two ways
+    assert hidden.content[0].thinking == "" and shown.content[0].thinking
+    follow = {"role": "user", "content": "And the owl?"}
+
+    def history(reply: Any) -> list[dict[str, Any]]:  # as SDK users append a reply
+        return [*FOX, {"role": "assistant", "content": reply.content}, follow]
+
+    _, h3 = await create(proxy, max_tokens=64, messages=history(hidden), thinking=omitted)
+    _, h4 = await create(proxy, max_tokens=64, messages=history(shown), thinking=omitted)
+    assert (h3["x-cache"], h4["x-cache"]) == ("MISS", "HIT")
+    # Control: without the thought the history is another prompt, another entry.
+    bare = [*FOX, {"role": "assistant", "content": shown.content[1:]}, follow]
+    _, h5 = await create(proxy, max_tokens=64, messages=bare, thinking=omitted)
+    assert h5["x-cache"] == "MISS" and h5["x-cache-key"] != h3["x-cache-key"]
+    forged = [*FOX, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "", "signature": "EqQBCkgIAhABGAIiQ"},
+        *shown.content[1:]]}, follow]
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        await create(proxy, max_tokens=64, messages=forged, thinking=omitted)
+    assert "'messages[1].content[0].signature'" in refused.value.message
+
+
 async def test_tools_a_tool_result_turn_and_tool_choice(make_proxy: ProxyFactory) -> None:
     proxy = await make_proxy()
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -193,6 +225,14 @@ async def test_stop_sequences_and_max_tokens_are_the_stop_reasons(make_proxy: Pr
     assert headers["x-cache"] == "HIT" and hit.stop_sequence == word  # stored with the entry
     short, _ = await create(proxy, max_tokens=3, **kw)
     assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
+    # More than chat's 4 (Anthropic has no such bound), and a 400 naming them past this
+    # server's bound.
+    many = [word, *(f"NEVER{i}" for i in range(8))]
+    cut_many, _ = await create(proxy, max_tokens=64, stop_sequences=many, **kw)
+    assert (cut_many.stop_sequence, cut_many.content) == (word, cut.content)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        await create(proxy, max_tokens=64, stop_sequences=[f"S{i}" for i in range(65)], **kw)
+    assert "'stop_sequences' takes at most 64" in refused.value.message
 
 
 async def test_count_tokens_is_the_prompt_a_generation_reads(make_proxy: ProxyFactory) -> None:
@@ -237,6 +277,83 @@ async def test_errors_are_the_sdks_exceptions_in_anthropics_shape(make_proxy: Pr
     assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
     async with client(proxy, api_key=None, auth_token="secret") as sdk:  # Bearer, as Claude Code
         assert (await sdk.messages.count_tokens(model=MODEL, messages=FOX)).input_tokens
+
+
+async def test_a_prompt_over_the_context_is_prompt_is_too_long(make_proxy: ProxyFactory
+                                                                ) -> None:
+    proxy = await make_proxy()
+    long = [{"role": "user", "content": "The cat eats fish. " * 200}]  # the context: 512
+    async with client(proxy) as sdk:
+        counted = (await sdk.messages.count_tokens(model=MODEL, messages=long)).input_tokens
+        with pytest.raises(anthropic.BadRequestError) as whole:
+            await sdk.messages.create(model=MODEL, max_tokens=8, messages=long)
+        with pytest.raises(anthropic.BadRequestError) as streamed:
+            async with sdk.messages.stream(model=MODEL, max_tokens=8, messages=long) as events:
+                await events.get_final_message()
+    context = proxy.app[PROXY].runner.defaults().context_length
+    assert whole.value.body == {"type": "error", "error": {
+        "type": "invalid_request_error",
+        "message": f"prompt is too long: {counted} tokens > {context - 1} maximum"}}
+    assert streamed.value.body == whole.value.body and counted > context
+    # Control: chat completions says it in OpenAI's words, with the same numbers.
+    with pytest.raises(openai.BadRequestError) as chat:
+        await proxy.client.chat.completions.create(  # (the same prompt: no thinking)
+            model=MODEL, messages=long, max_tokens=8,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert chat.value.code == "context_length_exceeded"
+    assert f"is {counted} tokens" in chat.value.message
+
+
+async def _refused_before_the_body(port: int, path: str, headers: bytes) -> tuple[int, Any]:
+    """A POST that announces a body and waits (Expect: 100-continue, as curl sends a large
+    one): the status and JSON of the answer given before a byte of the body is sent."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"POST %b HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"%b\r\n\r\n" % (path.encode(), headers))
+        status = int((await asyncio.wait_for(reader.readline(), 5)).split()[1])
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        return status, json.loads(await asyncio.wait_for(reader.readexactly(length), 5))
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+async def test_errors_before_the_body_are_in_anthropics_shape(make_proxy: ProxyFactory,
+                                                              path: str) -> None:
+    proxy = await make_proxy(api_keys=("secret",), max_body_bytes=4096)
+    port = int(proxy.url.rsplit(":", 1)[1])
+    cases = [(b"Expect: 100-continue\r\nContent-Length: 100", 401, "authentication_error"),
+             (b"x-api-key: wrong\r\nExpect: 100-continue\r\nContent-Length: 100", 401,
+              "authentication_error"),
+             (b"x-api-key: secret\r\nExpect: 100-continue\r\nContent-Length: 5000000", 413,
+              "request_too_large"),
+             (b"x-api-key: secret\r\nExpect: 200-ok\r\nContent-Length: 2", 417,
+              "invalid_request_error")]
+    for headers, status, kind in cases:
+        got, body = await _refused_before_the_body(port, path, headers)
+        assert (got, body["type"], body["error"]["type"]) == (status, "error", kind), body
+        assert set(body["error"]) == {"type", "message"} and body["error"]["message"]
+    # Control: chat completions' refusal of the same is in OpenAI's shape.
+    got, body = await _refused_before_the_body(port, "/v1/chat/completions", cases[0][0])
+    assert got == 401 and body["error"]["code"] is not None and "type" not in body
+    # The SDK's view (it sends no Expect): a wrong key, a body over the limit.
+    async def send(key: str, messages: list[dict[str, Any]]) -> None:
+        async with client(proxy, api_key=key) as sdk:
+            if path.endswith("count_tokens"):
+                await sdk.messages.count_tokens(model=MODEL, messages=messages)
+            else:
+                await sdk.messages.create(model=MODEL, max_tokens=8, messages=messages)
+
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        await send("wrong", FOX)
+    with pytest.raises(anthropic.APIStatusError) as large:
+        await send("secret", [{"role": "user", "content": "x" * 5000}])
+    assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    assert large.value.status_code == 413
+    assert large.value.body["error"]["type"] == "request_too_large"  # type: ignore[index]
 
 
 async def test_langchain_chat_anthropic_invoke_stream_and_bind_tools(make_proxy: ProxyFactory

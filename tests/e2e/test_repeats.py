@@ -15,9 +15,9 @@ from multidict import CIMultiDict
 
 from backends import TieredBackend
 from cacheproxy.edge.state import PROXY
+from cacheproxy.edge.templates import CREATED_MARK, ID_MARK, Template
 from cacheproxy.keys import codec
 from cacheproxy.keys.canonical import Parsed
-from cacheproxy.service.memos import CREATED_MARK, ID_MARK, Template
 from tests.conftest import Proxy, ProxyFactory
 
 CHAT = "/v1/chat/completions"

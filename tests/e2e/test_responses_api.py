@@ -227,8 +227,8 @@ def ask_paris() -> list[dict[str, Any]]:
 def test_the_stream_opens_the_items_the_final_response_holds(finish: str) -> None:
     # A thought, text, a call, more text (and a second thought): the items are the runs in
     # the order they came, each with an id of its own, in the stream and in the response.
-    from cacheproxy.edge.render import Frame
-    from cacheproxy.edge.responses_render import whole_stream
+    from cacheproxy.edge.apis.frame import Frame
+    from cacheproxy.edge.apis.responses.render import whole_stream
     from cacheproxy.keys.canonical import Delivery
     from cacheproxy.keys.codec import Chunk, Output, ToolCallOut
 
@@ -237,7 +237,7 @@ def test_the_stream_opens_the_items_the_final_response_holds(finish: str) -> Non
               Chunk("Let me", (3,)), Chunk(" see.", (4,)), Chunk("", (5,), tool_calls=(call,)),
               Chunk("", (6,), reasoning="Done."), Chunk("It is", (7,)))
     output = Output(chunks, finish, 10, 7)
-    frame = Frame("resp_1", 0, MODEL, "fp", "chat", Delivery(True, False, 1, MODEL,
+    frame = Frame("resp_1", 0, MODEL, "fp", Delivery(True, False, 1, MODEL,
                   api="responses"), False, False, key="ns/abc")
     events = [EVENT.validate_json(line[6:]) for line in whole_stream(frame, output).split(b"\n")
               if line.startswith(b"data: ")]

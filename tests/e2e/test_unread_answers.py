@@ -178,7 +178,7 @@ def test_a_large_template_is_sent_as_its_own_parts(shape: str) -> None:
     """Over LARGE_BODY a hit body is rendered as pieces that are the template's own bytes
     (nothing copied per reader), the marked fields filled between them, for a chat
     completion (id then "created") and a Responses object ("created_at", "completed_at")."""
-    from cacheproxy.service.memos import CREATED_MARK, ID_MARK, LARGE_BODY, Template
+    from cacheproxy.edge.templates import CREATED_MARK, ID_MARK, LARGE_BODY, Template
 
     text = "x" * LARGE_BODY
     if shape == "chat":

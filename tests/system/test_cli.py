@@ -40,7 +40,7 @@ def test_restart_with_disk_store_first_request_is_a_hit(tmp_path: Path) -> None:
 
 def test_one_json_log_line_per_request_without_prompts(tmp_path: Path) -> None:
     output: list[str] = []
-    with serving("--store", "memory://", output=output) as url:
+    with serving("--store", "memory://", "--log-format", "json", output=output) as url:
         secret = "What color is the secret fox?"
         body = json.dumps({"messages": [{"role": "user", "content": secret}]}).encode()
         for _ in range(2):
@@ -66,10 +66,12 @@ def test_one_json_log_line_per_request_without_prompts(tmp_path: Path) -> None:
         assert e["request_id"] == "req-42" and e["status"] == 200
         assert e["level"] == "info" and e["total_ms"] >= 0 and len(e["key"]) == 12
     assert next(e for e in requests if e["path"] == "/nope")["status"] == 404
-    # Every line is JSON but the start-up banner (the tokenizer's own warning too).
-    others = [line for line in text.splitlines() if not line.startswith("{")]
-    assert [line for line in others if not line.startswith("cacheproxy serving")] == []
+    # Every line of stdout and stderr is JSON (#34): the start-up banner, the model load,
+    # the tokenizer's own warning of a prompt too long.
+    assert [line for line in text.splitlines() if not line.startswith("{")] == []
     assert any(e.get("logger", "").startswith("transformers") for e in lines)
+    (banner,) = [e for e in lines if e["event"] == "listening"]
+    assert banner["message"].startswith("cacheproxy serving cacheproxy-demo on http://")
 
 
 def test_connections_past_the_bound_get_503(tmp_path: Path) -> None:

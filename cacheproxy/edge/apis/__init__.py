@@ -2,9 +2,10 @@
 canonical request, how an answer is rendered (whole, streamed live, streamed from the
 store), its response ids and its error shape.
 
-Adding an API is a sub-package (its parse, render and errors, as `messages/`) and one line
-in `APIS`; the routes in the table are POSTed to the shared answer path (`answers`), and an
-API's other routes (such as count_tokens) are listed beside it in `app`.
+Adding an API is a sub-package (its `__init__` with its parse, and its error shape if not
+OpenAI's; its `render`: as `chat/`) and one line in `APIS` (README: "Adding an API"); the
+routes in the table are POSTed to the shared answer path (`answers`), and an API's other
+routes (such as count_tokens) are listed beside it in `app`.
 """
 
 from __future__ import annotations
@@ -13,20 +14,25 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cacheproxy.edge import render, responses_render
+from cacheproxy.edge.apis import chat, completions
+from cacheproxy.edge.apis.chat import render as chat_render
+from cacheproxy.edge.apis.completions import render as completions_render
+from cacheproxy.edge.apis.frame import Frame
 from cacheproxy.edge.apis.messages import errors as messages_errors
 from cacheproxy.edge.apis.messages import render as messages_render
+from cacheproxy.edge.apis.messages.request import SCHEMA_FIELDS as MESSAGES_SCHEMAS
 from cacheproxy.edge.apis.messages.request import parse_messages
+from cacheproxy.edge.apis.responses import render as responses_render
+from cacheproxy.edge.apis.responses.request import parse_responses
 from cacheproxy.errors import ProxyError
-from cacheproxy.keys.canonical import Parsed, Route, RunnerDefaults, parse
+from cacheproxy.keys.budget import SchemaFields
+from cacheproxy.keys.canonical import Route
 from cacheproxy.keys.codec import Chunk, Output
-from cacheproxy.keys.responses import parse_responses
-from cacheproxy.service.memos import Parse
-from policies.sampling import SamplingMode
+from cacheproxy.service.memos import BodyParser, Parse
 
 
 class Stream(Protocol):
-    """The events of one streamed answer in its API (render.ChatStream, ResponsesStream...)."""
+    """The events of one streamed answer in its API (ChatStream, ResponsesStream...)."""
 
     done: bytes
 
@@ -47,38 +53,29 @@ class Api:
     paths: tuple[str, ...]  # POST routes answered through the cache
     id_head: str  # of its response ids
     parse: Parse
-    body: Callable[[render.Frame, Output], dict[str, Any]]
-    stream: Callable[[render.Frame], Stream]
-    whole_stream: Callable[[render.Frame, Output], bytes]
+    schema_fields: SchemaFields  # of its bodies: what may carry schemas (keys/budget.py)
+    body: Callable[[Frame, Output], dict[str, Any]]
+    stream: Callable[[Frame], Stream]
+    whole_stream: Callable[[Frame, Output], bytes]
     error: Callable[[ProxyError], dict[str, object]] = _openai_error
     key_header: str = ""  # a header that carries the API key besides `Authorization: Bearer`
 
 
-def _chat(body: object, defaults: RunnerDefaults, mode: SamplingMode, *,
-          max_tokens_cap: int | None = None, max_answer_tokens: int | None = None) -> Parsed:
-    return parse(body, "chat", defaults, mode, max_tokens_cap=max_tokens_cap,
-                 max_answer_tokens=max_answer_tokens)
-
-
-def _completions(body: object, defaults: RunnerDefaults, mode: SamplingMode, *,
-                 max_tokens_cap: int | None = None,
-                 max_answer_tokens: int | None = None) -> Parsed:
-    return parse(body, "completions", defaults, mode, max_tokens_cap=max_tokens_cap,
-                 max_answer_tokens=max_answer_tokens)
-
-
+_CHAT_SCHEMAS = ("tools", "functions", "response_format")
 APIS: Mapping[Route, Api] = {
-    "chat": Api(("/v1/chat/completions",), "chatcmpl-", _chat, render.body, render.ChatStream,
-                render.whole_stream),
-    "completions": Api(("/v1/completions",), "cmpl-", _completions, render.body,
-                       render.ChatStream, render.whole_stream),
-    "responses": Api(("/v1/responses",), "resp_", parse_responses, responses_render.response,
-                     responses_render.ResponsesStream, responses_render.whole_stream,
-                     responses_render.error_body),
-    "messages": Api(("/v1/messages",), "msg_", parse_messages, messages_render.body,
-                    messages_render.MessagesStream, messages_render.whole_stream,
-                    messages_errors.error_body, "x-api-key"),
+    "chat": Api(("/v1/chat/completions",), "chatcmpl-", chat.parse, _CHAT_SCHEMAS,
+                chat_render.body, chat_render.ChatStream, chat_render.whole_stream),
+    "completions": Api(("/v1/completions",), "cmpl-", completions.parse, _CHAT_SCHEMAS,
+                       completions_render.body, completions_render.CompletionStream,
+                       completions_render.whole_stream),
+    "responses": Api(("/v1/responses",), "resp_", parse_responses, ("tools", "text"),
+                     responses_render.response, responses_render.ResponsesStream,
+                     responses_render.whole_stream, responses_render.error_body),
+    "messages": Api(("/v1/messages",), "msg_", parse_messages, MESSAGES_SCHEMAS,
+                    messages_render.body, messages_render.MessagesStream,
+                    messages_render.whole_stream, messages_errors.error_body, "x-api-key"),
 }
-PARSERS: Mapping[Route, Parse] = {name: api.parse for name, api in APIS.items()}
-"""What the service parses each API's bodies with."""
+PARSERS: Mapping[Route, BodyParser] = {name: BodyParser(api.parse, api.schema_fields)
+                                       for name, api in APIS.items()}
+"""What the service parses each API's bodies with (and which of their fields it counts)."""
 ID_HEADS: Mapping[Route, str] = {name: api.id_head for name, api in APIS.items()}

@@ -9,8 +9,12 @@ from typing import Any
 
 import pytest
 
+from cacheproxy.edge.apis.frame import Frame
+from cacheproxy.edge.apis.messages.render import body
 from cacheproxy.edge.apis.messages.request import parse_messages
 from cacheproxy.errors import InvalidRequest
+from cacheproxy.keys.canonical import Delivery
+from cacheproxy.keys.codec import Chunk, Output
 from policies.sampling import SamplingMode
 from tests.unit.edge.test_messages_request import ASK, DEFAULTS, SCHEMA, chat, key, messages
 
@@ -68,15 +72,52 @@ def test_context_edits_it_cannot_apply_are_refused_by_name(management: dict[str,
     assert refused.value.param == param
 
 
+SHOWN = {"name": "get_weather", "input_schema": SCHEMA}
+DEFERRED = {"name": "CronCreate", "input_schema": SCHEMA, "defer_loading": True}
+
+
 def test_a_deferred_tool_is_checked_and_not_shown_to_the_model() -> None:
-    shown = {"name": "get_weather", "input_schema": SCHEMA}
-    deferred = {"name": "CronCreate", "input_schema": SCHEMA, "defer_loading": True}
+    shown, deferred = SHOWN, DEFERRED
     ours = messages(tools=[shown, deferred])
     assert ours.request == messages(tools=[shown]).request
     assert key(ours) != key(messages(tools=[shown, {**deferred, "defer_loading": False}]))
     with pytest.raises(InvalidRequest) as refused:  # still checked as any tool is
         messages(tools=[shown, {**deferred, "input_schema": {"type": 5}}])
     assert refused.value.param == "tools[1].input_schema"
+
+
+LATE = {"role": "system", "content": "Now be quick."}
+
+
+@pytest.mark.parametrize(("tools", "choice", "param", "said"), [
+    ([SHOWN, DEFERRED], {"type": "tool", "name": "CronCreate"}, "tool_choice.name",
+     "'CronCreate' is a deferred tool (defer_loading true)"),
+    ([DEFERRED], {"type": "tool", "name": "CronCreate"}, "tool_choice.name",
+     "'CronCreate' is a deferred tool (defer_loading true)"),
+    ([SHOWN, DEFERRED], {"type": "tool", "name": "Nowhere"}, "tool_choice.name",
+     "'Nowhere' names no tool in 'tools'"),
+    ([SHOWN, DEFERRED], {"type": "tool"}, "tool_choice.name", "is required"),
+    ([DEFERRED], {"type": "any"}, "tool_choice", "every tool has defer_loading true"),
+    ([], {"type": "any"}, "tool_choice", "'any' needs tools"),
+])
+def test_tool_choice_cannot_force_a_tool_the_model_is_not_shown(
+    tools: list[Any], choice: dict[str, Any], param: str, said: str
+) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        messages(tools=tools, tool_choice=choice)
+    assert refused.value.param == param and said in refused.value.message
+
+
+@pytest.mark.parametrize(("choice", "mode"), [
+    ({"type": "tool", "name": "CronCreate"}, ("function", "CronCreate")),
+    ({"type": "any"}, ("required", "")),
+])
+def test_the_same_tool_choice_forces_a_tool_that_is_shown(choice: dict[str, Any],
+                                                          mode: tuple[str, str]) -> None:
+    # Control of the refusals above: shown (defer_loading false), the tool can be forced.
+    request = messages(tools=[SHOWN, {**DEFERRED, "defer_loading": False}],
+                       tool_choice=choice).request
+    assert (request.tool_choice, request.tool_name) == mode
 
 
 def test_a_system_turns_effort_governs_the_answer_asked_now() -> None:
@@ -91,10 +132,39 @@ def test_a_system_turns_effort_governs_the_answer_asked_now() -> None:
                         ({**late, "output_config": {"format": {}}},
                          "messages[1].output_config.format"),
                         ({**late, "output_config": {"effort": "extreme"}},
-                         "output_config.effort")):
+                         "messages[1].output_config.effort")):
         with pytest.raises(InvalidRequest) as refused:
             messages(messages=[ASK, turn])
         assert refused.value.param == param
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    # Each turn's effort is checked where it is, not only the last one's.
+    ({"messages": [{**LATE, "output_config": {"effort": "extreme"}}, ASK, LATE]},
+     "messages[0].output_config.effort"),
+    ({"messages": [ASK, {**LATE, "output_config": {"effort": ["low"]}}]},
+     "messages[1].output_config.effort"),
+    ({"messages": [ASK, {**LATE, "output_config": "low"}]}, "messages[1].output_config"),
+    # The request's own is checked even where a turn's governs the answer.
+    ({"messages": [ASK, {**LATE, "output_config": {"effort": "low"}}],
+      "output_config": {"effort": "extreme"}}, "output_config.effort"),
+    ({"output_config": {"effort": 3}}, "output_config.effort"),
+    ({"output_config": {"effort": ["high"]}}, "output_config.effort"),
+])
+def test_every_effort_is_checked_and_refused_by_its_path(body: dict[str, Any],
+                                                         param: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        messages(**body)
+    assert refused.value.param == param and f"'{param}'" in refused.value.message
+    if param.endswith(".effort"):  # the levels it may be
+        assert "'low', 'medium', 'high', 'xhigh', 'max'" in refused.value.message
+
+
+@pytest.mark.parametrize("effort", ["low", "medium", "high", "xhigh", "max"])
+def test_each_of_anthropics_effort_levels_is_accepted(effort: str) -> None:
+    turn = {**LATE, "output_config": {"effort": effort}}
+    assert messages(messages=[ASK, turn], output_config={"effort": effort}).request == \
+        messages(output_config={"effort": effort}, messages=[ASK, LATE]).request
 
 
 def _claude_code_body(session: str) -> dict[str, Any]:
@@ -142,6 +212,30 @@ def test_a_shown_thinking_display_is_the_thought_as_generated(display: str) -> N
     with pytest.raises(InvalidRequest) as refused:
         messages(thinking={"type": "adaptive", "display": "verbatim"})
     assert refused.value.param == "thinking.display"
+
+
+def test_an_omitted_thought_comes_back_unsealed_and_keys_as_if_shown() -> None:
+    output = Output((Chunk("", (1,), reasoning="Foxes eat mice."), Chunk("Mice.", (2,))),
+                    "stop", 10, 2)
+    delivery = Delivery(True, False, 1, "demo", api="messages", echo=b'{"omit_thinking": true}')
+    reply = body(Frame("msg_1", 0, "demo", "fp", delivery, False, False, key="ns/k"),
+                 output)["content"]
+    assert reply[0]["thinking"] == ""  # the client is shown no thought
+    follow = {"role": "user", "content": "And owls?"}
+    ours = messages(messages=[ASK, {"role": "assistant", "content": reply}, follow])
+    shown = [{**reply[0], "thinking": "Foxes eat mice.", "signature": "s1"}, reply[1]]
+    assert key(ours) == key(messages(messages=[ASK, {"role": "assistant", "content": shown},
+                                               follow]))
+    assert ours.request == chat(messages=[ASK, {"role": "assistant", "content": "Mice.",
+                                                "reasoning_content": "Foxes eat mice."},
+                                          follow]).request
+    # Control: a signature this server did not seal cannot stand for the thought.
+    for signature in ("s1", "cpx1.%%%", reply[0]["signature"][:-2] + "@@"):
+        foreign = [{**reply[0], "signature": signature}, reply[1]]
+        with pytest.raises(InvalidRequest) as refused:
+            messages(messages=[ASK, {"role": "assistant", "content": foreign}, follow])
+        assert refused.value.param == "messages[1].content[0].signature"
+        assert "signature" in refused.value.message
 
 
 def test_a_tool_reference_is_refused_with_how_to_turn_tool_search_off() -> None:

@@ -10,8 +10,9 @@ from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
+from cacheproxy.edge.apis.frame import Frame
 from cacheproxy.edge.apis.messages.render import body, whole_stream
-from cacheproxy.edge.render import Frame
+from cacheproxy.edge.apis.responses.tools import opened
 from cacheproxy.keys.canonical import Delivery
 from cacheproxy.keys.codec import Chunk, Output, ToolCallOut
 
@@ -24,7 +25,7 @@ CHUNKS = (Chunk("", (1,), reasoning="I look"), Chunk("", (2,), reasoning=" it up
 
 def frame(echo: bytes = b"", *, cached: bool = False) -> Frame:
     delivery = Delivery(True, False, 1, "demo", api="messages", echo=echo)
-    return Frame("msg_1", 0, "demo", "fp", "chat", delivery, False, cached, key="ns/abc",
+    return Frame("msg_1", 0, "demo", "fp", delivery, False, cached, key="ns/abc",
                  reused=2)
 
 
@@ -58,13 +59,19 @@ def test_the_stream_builds_the_whole_message(finish: str, stop: str, reason: str
     assert body(frame(cached=True), output)["usage"]["cache_read_input_tokens"] == 10
 
 
-def test_omitted_thinking_keeps_its_blocks_and_signatures_without_the_text() -> None:
+def test_omitted_thinking_keeps_its_blocks_with_the_thought_sealed_as_the_signature() -> None:
     output = Output(CHUNKS, "stop", 10, 7)
     omitted = frame(b'{"omit_thinking": true}')
     whole = body(omitted, output)
-    assert [b["thinking"] for b in whole["content"] if b["type"] == "thinking"] == ["", ""]
+    thoughts = [b for b in whole["content"] if b["type"] == "thinking"]
+    assert [b["thinking"] for b in thoughts] == ["", ""]
+    assert [opened(b["signature"]) for b in thoughts] == ["I look it up.", "Done."]
     assert streamed(omitted, output)["content"] == whole["content"]
     assert b"thinking_delta" not in whole_stream(omitted, output)
+    # Control: a shown thought's signature is a token that seals nothing.
+    shown = [b for b in body(frame(), output)["content"] if b["type"] == "thinking"]
+    assert [b["thinking"] for b in shown] == ["I look it up.", "Done."]
+    assert [opened(b["signature"]) for b in shown] == [None, None]
 
 
 def test_a_failure_after_the_stream_began_is_an_error_event_in_anthropics_shape() -> None:
@@ -74,3 +81,23 @@ def test_a_failure_after_the_stream_began_is_an_error_event_in_anthropics_shape(
     event = MessagesStream(frame()).error(GenerationTimeout("the generation took over 300 s"))
     assert event == (b'event: error\ndata: {"type":"error","error":{"type":"timeout_error",'
                      b'"message":"the generation took over 300 s"}}\n\n')
+
+
+@pytest.mark.parametrize("arguments", ["[1, 2]", '"Lima"', "7", "null", "not json"])
+def test_a_call_whose_arguments_are_no_object_is_text_never_a_tool_use(arguments: str) -> None:
+    # (An entry stored before the runner refused such calls.) tool_use.input must be an
+    # object: the call is the text the model wrote, in the text block it follows.
+    odd = ToolCallOut(0, "get_weather", arguments)
+    output = Output((Chunk("It is", (1,)), Chunk("", (2,), tool_calls=(odd,))), "tool_calls",
+                    10, 2)
+    whole = body(frame(), output)
+    assert Message.model_validate(whole)  # what the SDK reads
+    (block,) = whole["content"]
+    assert block["type"] == "text" and block["text"].startswith('It is{"name":"get_weather"')
+    assert (whole["stop_reason"], streamed(frame(), output)["content"]) == ("end_turn",
+                                                                           whole["content"])
+    # Control: with an object the same call is a tool_use block, and the reason tool_use.
+    fine = Output((Chunk("It is", (1,)), Chunk("", (2,), tool_calls=(CALL,))), "tool_calls",
+                  10, 2)
+    assert [b["type"] for b in body(frame(), fine)["content"]] == ["text", "tool_use"]
+    assert body(frame(), fine)["stop_reason"] == "tool_use"

@@ -81,7 +81,6 @@ ADAPTIVE = {"type": "adaptive"}
 @pytest.mark.parametrize(("thinking", "effort", "kwargs", "chat_effort"), [
     # Absent is off, as in Anthropic's API (the template here thinks by default).
     (None, None, {"enable_thinking": False}, None),
-    ({"type": "enabled", "budget_tokens": 32}, None, {"enable_thinking": True}, None),
     (ADAPTIVE, None, {"enable_thinking": True}, None),
     ({"type": "disabled"}, None, {"enable_thinking": False}, None),
     (ADAPTIVE, "high", {"enable_thinking": True}, "high"),
@@ -95,6 +94,35 @@ def test_thinking_and_effort_are_the_templates_switch_as_in_chat(
     ours = messages(thinking=thinking, output_config={"effort": effort} if effort else None)
     twin = chat(chat_template_kwargs=kwargs, reasoning_effort=chat_effort)
     assert ours.request == twin.request
+
+
+def test_a_thinking_budget_is_keyed_as_the_templates_thinking_budget() -> None:
+    # No runner can cut a thought short: the budget is keyed (and a template may read it).
+    enabled = {"type": "enabled", "budget_tokens": 1024}
+    ours = messages(max_tokens=2048, thinking=enabled)
+    twin = chat(max_tokens=512, chat_template_kwargs={"enable_thinking": True,
+                                                      "thinking_budget": 1024})
+    assert ours.request == twin.request
+    # Control: another budget is another entry, not the same one silently.
+    assert key(messages(max_tokens=2048, thinking={**enabled, "budget_tokens": 2000})) != \
+        key(ours)
+    assert key(messages(max_tokens=2048, thinking=ADAPTIVE)) != key(ours)
+
+
+@pytest.mark.parametrize(("thinking", "said"), [
+    ({"type": "enabled", "budget_tokens": 1023}, "at least 1024"),
+    ({"type": "enabled", "budget_tokens": 2048}, "less than max_tokens (2048)"),
+    ({"type": "enabled"}, "required"),
+    ({"type": "enabled", "budget_tokens": "1024"}, "an integer"),
+    ({"type": "enabled", "budget_tokens": True}, "an integer"),
+    ({"type": "adaptive", "budget_tokens": 1024}, "for thinking.type enabled"),
+    ({"type": "disabled", "budget_tokens": 1024}, "for thinking.type enabled"),
+])
+def test_a_thinking_budget_is_checked_as_anthropic_checks_it(thinking: dict[str, Any],
+                                                             said: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        messages(max_tokens=2048, thinking=thinking)
+    assert refused.value.param == "thinking.budget_tokens" and said in refused.value.message
 
 
 def test_absent_thinking_is_not_the_templates_default() -> None:
@@ -164,7 +192,47 @@ def test_a_tool_s_keys_are_the_sdk_s() -> None:
     # a chat tool: the chat tool's own key check never sees a key it did not put there.)
     from anthropic.types import tool_param
 
-    from cacheproxy.edge.apis.messages import request
+    from cacheproxy.edge.apis.messages import tools
 
-    typed, known = tool_param.ToolParam, request._TOOL_KEYS
+    typed, known = tool_param.ToolParam, tools._TOOL_KEYS
     assert known == typed.__required_keys__ | typed.__optional_keys__
+
+
+def test_stop_sequences_take_more_than_chats_four_within_a_bound() -> None:
+    from cacheproxy.edge.apis.messages.request import MAX_STOP_SEQUENCES
+
+    many = [f"STOP{i}" for i in range(MAX_STOP_SEQUENCES)]
+    assert messages(stop_sequences=many).request.stop == tuple(sorted(many))
+    with pytest.raises(InvalidRequest) as refused:
+        messages(stop_sequences=[*many, "ONE MORE"])
+    assert refused.value.param == "stop_sequences"
+    assert f"at most {MAX_STOP_SEQUENCES} sequences" in refused.value.message
+    # Control: chat's `stop` keeps OpenAI's bound of 4.
+    with pytest.raises(InvalidRequest) as chats:
+        chat(stop=many[:5])
+    assert chats.value.param == "stop" and "at most 4" in chats.value.message
+
+
+CALL = {"role": "assistant", "content": [
+    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]}
+RESULT = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "foggy"}
+AFTER = {"type": "text", "text": "And tomorrow?"}
+
+
+@pytest.mark.parametrize(("history", "param", "said"), [
+    ([ASK, CALL, {"role": "user", "content": [AFTER, RESULT]}], "messages[2].content[1]",
+     "tool_result blocks come first"),
+    ([ASK, CALL, {"role": "user", "content": [RESULT, RESULT]}],
+     "messages[2].content[1].tool_use_id", "'toolu_1' is answered twice"),
+    ([ASK, CALL, {"role": "user", "content": [RESULT]},
+      {"role": "assistant", "content": "Foggy."}, {"role": "user", "content": [RESULT, AFTER]}],
+     "messages[4].content[0].tool_use_id", "'toolu_1' is answered twice"),
+])
+def test_tool_results_come_first_and_answer_a_call_once(history: list[Any], param: str,
+                                                        said: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        messages(messages=history, tools=[{"name": "get_weather", "input_schema": SCHEMA}])
+    assert refused.value.param == param and said in refused.value.message
+    # Control: the result first and once, then the text, is a conversation.
+    messages(messages=[ASK, CALL, {"role": "user", "content": [RESULT, AFTER]}],
+             tools=[{"name": "get_weather", "input_schema": SCHEMA}])

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from cacheproxy.edge.apis import APIS
 from cacheproxy.errors import SchemaTooComplex
 from cacheproxy.keys.budget import SchemaBudget, carries_schemas, check
 
@@ -20,6 +21,21 @@ def test_only_bodies_with_schema_fields_carry_schemas() -> None:
     assert not carries_schemas({"messages": [{"role": "user", "content": "tools"}]})
     assert not carries_schemas({"tools": None}) and not carries_schemas([1])
     assert carries_schemas({"tools": []}) and carries_schemas({"text": {"format": {}}})
+
+
+def test_each_api_names_its_schema_fields_a_dotted_name_inside_an_object() -> None:
+    messages = APIS["messages"].schema_fields
+    form = {"output_config": {"format": {"type": "json_schema", "schema": {
+        "properties": {"a": {}, "b": {}, "c": {}}}}}}
+    assert carries_schemas(form, messages) and carries_schemas({"output_format": {}}, messages)
+    assert not carries_schemas({"output_config": {"effort": "high"}}, messages)
+    assert not carries_schemas({"output_config": "format"}, messages)
+    with pytest.raises(SchemaTooComplex) as refused:
+        check(form, SchemaBudget(max_properties=2), messages)
+    assert refused.value.param == "output_config.format"
+    # Control: chat's fields are not a Messages body's, so its format would go uncounted.
+    assert not carries_schemas(form, APIS["chat"].schema_fields)
+    check(form, SchemaBudget(max_properties=2), APIS["chat"].schema_fields)
 
 
 # (response_format's schema sits 3 levels deep: response_format, json_schema, schema.)

@@ -270,7 +270,7 @@ def test_delivery_and_passed_fields_share_a_key(delivery: dict[str, Any]) -> Non
 
 
 def test_responses_pass_the_same_fields_as_chat() -> None:
-    from cacheproxy.keys.responses import translate
+    from cacheproxy.edge.apis.responses.request import translate
 
     chat, _ = translate({"input": "Hi", "prompt_cache_retention": "24h", "user": "u",
                          "prompt_cache_options": {"retention": "24h"}, "metadata": {"a": "b"}})

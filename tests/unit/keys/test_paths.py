@@ -12,9 +12,9 @@ import pytest
 
 from cacheproxy.edge.apis.messages.errors import error_body as messages_error
 from cacheproxy.edge.apis.messages.request import parse_messages
-from cacheproxy.edge.responses_render import error_body as responses_error
+from cacheproxy.edge.apis.responses.render import error_body as responses_error
+from cacheproxy.edge.apis.responses.request import parse_responses
 from cacheproxy.errors import ContextLengthExceeded, InvalidRequest, SchemaTooComplex
-from cacheproxy.keys.responses import parse_responses
 from policies.sampling import SamplingMode
 from tests.unit.keys.test_tools import DEFAULTS
 
@@ -88,8 +88,7 @@ def test_a_chat_check_of_a_messages_request_names_its_path(
 
 
 @pytest.mark.parametrize(("error", "responses", "messages"), [
-    (ContextLengthExceeded("'messages' is 600 tokens, over the context of 512",
-                           param="messages"), "input", "messages"),
+    (ContextLengthExceeded(600, 512, param="messages"), "input", "messages"),
     (SchemaTooComplex("'response_format' cannot be enforced", param="response_format"),
      "text.format", "output_config.format"),
     (SchemaTooComplex("'tools' cannot be enforced", param="tools"), "tools", "tools"),
@@ -98,7 +97,11 @@ def test_an_error_raised_while_generating_names_the_api_s_path(
         error: InvalidRequest, responses: str, messages: str) -> None:
     body = responses_error(error)["error"]
     assert isinstance(body, dict) and body["param"] == responses
-    assert f"'{responses}'" in body["message"]
     shaped = messages_error(error)["error"]
-    assert isinstance(shaped, dict) and f"'{messages}'" in shaped["message"]
+    assert isinstance(shaped, dict)
+    if isinstance(error, ContextLengthExceeded):  # its message names no field: its numbers
+        assert "600 tokens" in body["message"]
+        assert shaped["message"] == "prompt is too long: 600 tokens > 511 maximum"
+    else:
+        assert f"'{responses}'" in body["message"] and f"'{messages}'" in shaped["message"]
     assert error.param in ("messages", "response_format", "tools")  # the original untouched

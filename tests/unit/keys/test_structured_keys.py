@@ -5,6 +5,7 @@ what llguidance compiles, and what it cannot enforce is a 400 naming the constru
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import random
 from typing import Any
@@ -20,7 +21,7 @@ from cacheproxy.errors import ProxyError, Unsupported
 from cacheproxy.keys import grammar
 from cacheproxy.keys.canonical import RunnerDefaults, parse
 from cacheproxy.keys.key import make_key
-from cacheproxy.keys.tools import schema
+from cacheproxy.keys.tools import Tool, schema
 from cacheproxy.runners.constrain import Grammars, call_grammar, constraint_for
 from policies.sampling import SamplingMode
 from tests.unit.keys.test_keys import shuffled
@@ -219,6 +220,30 @@ def test_a_compiled_grammar_is_reused_only_in_the_scope_that_compiled_it() -> No
     assert len(grammars) == 2  # compiled again for b (the control: a's was there)
     grammars.forget(text, scope="a")
     assert len(grammars) == 1
+
+
+def test_whether_a_schema_compiles_is_never_remembered_across_requests(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(#34) A tool that is not strict is held to its schema when llguidance can enforce it;
+    that check compiles the schema every time. Remembered by schema text (process-wide), a
+    tenant's check was instant for a schema another tenant had sent: timing told it so."""
+    compiled: list[str] = []
+    compile_schema = grammar.schema_grammar
+
+    def counted(canonical: Any, param: str) -> str:
+        compiled.append(json.dumps(canonical))
+        return compile_schema(canonical, param)
+
+    monkeypatch.setattr(grammar, "schema_grammar", counted)
+    tool = Tool("pin", None, json.dumps({"type": "object", "properties": {
+        "pin": {"const": "4817"}}}))
+    assert grammar.enforceable(tool) and grammar.enforceable(tool)  # tenant a, then b
+    assert len(compiled) == 2  # each paid for its own compile
+    remembered = functools.lru_cache(grammar.enforceable)  # control: a memo shows as one
+    assert remembered(tool) and remembered(tool)
+    assert len(compiled) == 3
+    assert grammar.enforceable(Tool("s", None, tool.parameters, strict=True))
+    assert len(compiled) == 3  # (a strict tool's schema is checked at parse, 400 if not)
 
 
 def test_a_call_opened_while_thinking_is_held_to_the_grammar() -> None:

@@ -4,6 +4,8 @@ general machinery they stand in for."""
 from __future__ import annotations
 
 import io
+import logging
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,6 +44,7 @@ def _configure_json(monkeypatch: pytest.MonkeyPatch, level: str
 def json_lines(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[io.BytesIO, logs.BatchedLines]]:
     yield _configure_json(monkeypatch, "info")
     structlog.reset_defaults()
+    logging.captureWarnings(False)  # (configure's: undone, or the next one is a no-op)
 
 
 def _lines(sink: io.BytesIO, batched: logs.BatchedLines) -> list[dict[str, Any]]:
@@ -80,6 +83,24 @@ def test_info_with_exc_info_or_arguments_takes_the_chain(
     assert items["event"] == "3 items"
 
 
+def test_python_warnings_are_json_lines_too(
+    json_lines: tuple[io.BytesIO, logs.BatchedLines],
+) -> None:
+    """(#34) A library's warnings.warn (at model load, say) is a JSON line among ours, not
+    raw "file:line: UserWarning" text."""
+    sink, batched = json_lines
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("a library's advice", UserWarning, stacklevel=1)
+        (line,) = _lines(sink, batched)
+        assert line["logger"] == "py.warnings" and line["level"] == "warning"
+        assert "UserWarning: a library's advice" in line["event"]
+        logging.captureWarnings(False)  # control: not captured, it misses the log
+        with pytest.warns(UserWarning):
+            warnings.warn("again", UserWarning, stacklevel=1)
+        assert _lines(sink, batched) == [line]
+
+
 def test_info_is_dropped_above_info_level(monkeypatch: pytest.MonkeyPatch) -> None:
     sink, batched = _configure_json(monkeypatch, "warning")
     try:
@@ -88,6 +109,7 @@ def test_info_is_dropped_above_info_level(monkeypatch: pytest.MonkeyPatch) -> No
         assert [line["event"] for line in _lines(sink, batched)] == ["store_unavailable"]
     finally:
         structlog.reset_defaults()
+        logging.captureWarnings(False)
 
 
 def test_latency_histogram_matches_prometheus_client() -> None:

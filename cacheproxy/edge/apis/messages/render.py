@@ -2,11 +2,13 @@
 
 A generation is rendered as content blocks in the order it produced them: each run of
 thought a `thinking` block, each run of text a `text` block, each tool call a `tool_use`
-block. Tool-use ids and thinking signatures are derived from the cache key (as chat's call
-ids are), so a HIT and a regeneration give the same bytes; the message id is the response's
-own. A stream is Anthropic's events (`message_start`, `ping`, `content_block_start` /
-`_delta` / `_stop`, `message_delta`, `message_stop`), one stored or live chunk at a time,
-so a streamed HIT has the events and boundaries of the generation it replays.
+block. Tool-use ids and shown thoughts' signatures are derived from the cache key (as chat's
+call ids are), so a HIT and a regeneration give the same bytes; an omitted thought (display
+"omitted": its text empty) has the thought sealed as its signature, for the history to give
+back; the message id is the response's own. A stream is Anthropic's events
+(`message_start`, `ping`, `content_block_start` / `_delta` / `_stop`, `message_delta`,
+`message_stop`), one stored or live chunk at a time, so a streamed HIT has the events and
+boundaries of the generation it replays.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Any
 import orjson
 import xxhash
 
+from cacheproxy.edge.apis.frame import Frame
 from cacheproxy.edge.apis.messages.errors import error_body
-from cacheproxy.edge.render import Frame
+from cacheproxy.edge.apis.responses.tools import seal
 from cacheproxy.errors import ProxyError
 from cacheproxy.keys.codec import Chunk, Output, ToolCallOut
 
@@ -29,8 +32,12 @@ def tool_use_id(frame: Frame, index: int) -> str:
     return "toolu_" + xxhash.xxh3_64_hexdigest(f"{frame.key}/0/{index}".encode())
 
 
-def _signature(frame: Frame, index: int) -> str:
-    # Not a proof of origin as Anthropic's are: a stable token clients pass back unread.
+def _signature(frame: Frame, index: int, thought: str, omitted: bool) -> str:
+    """An omitted thought's signature is the thought sealed (the client sends it back in the
+    history and `turns` unseals it); a shown one's, a stable token clients pass back unread
+    (not a proof of origin as Anthropic's are)."""
+    if omitted:
+        return seal(thought)
     return "cacheproxy-" + xxhash.xxh3_64_hexdigest(f"{frame.key}/thinking/{index}".encode())
 
 
@@ -44,27 +51,57 @@ def _tool_use(frame: Frame, call: ToolCallOut, arguments: Any) -> dict[str, Any]
             "input": arguments}
 
 
+def call_input(call: ToolCallOut) -> dict[str, Any] | None:
+    """A call's input, None when its arguments are not a JSON object: tool_use.input must
+    be one (the runner makes no such call; an entry stored before it checked may hold one)."""
+    try:
+        value = orjson.loads(call.arguments)
+    except orjson.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def call_text(call: ToolCallOut) -> str:
+    """A call that cannot be a tool_use, as the text of the call the model wrote."""
+    try:
+        arguments: Any = orjson.loads(call.arguments)
+    except orjson.JSONDecodeError:
+        arguments = call.arguments
+    return orjson.dumps({"name": call.name, "arguments": arguments}).decode()
+
+
 def blocks(frame: Frame, output: Output) -> list[dict[str, Any]]:
     """The content blocks of a finished generation, as its stream ends them."""
     out: list[dict[str, Any]] = []
-    omitted = _omitted(frame)
     for chunk in output.chunks:
         for kind, text in (("thinking", chunk.reasoning), ("text", chunk.text)):
             if text and out and out[-1]["type"] == kind:
-                out[-1][kind] += "" if omitted and kind == "thinking" else text
-            elif text and kind == "thinking":
-                out.append({"type": "thinking", "thinking": "" if omitted else text,
-                            "signature": _signature(frame, len(out))})
+                out[-1][kind] += text
             elif text:
-                out.append({"type": "text", "text": text})
-        out += [_tool_use(frame, c, orjson.loads(c.arguments)) for c in chunk.tool_calls]
+                out.append({"type": kind, kind: text})
+        for call in chunk.tool_calls:
+            if (arguments := call_input(call)) is not None:
+                out.append(_tool_use(frame, call, arguments))
+            elif out and out[-1]["type"] == "text":
+                out[-1]["text"] += call_text(call)
+            else:
+                out.append({"type": "text", "text": call_text(call)})
+    omitted = _omitted(frame)
+    for index, block in enumerate(out):
+        if block["type"] == "thinking":
+            block["signature"] = _signature(frame, index, block["thinking"], omitted)
+            block["thinking"] = "" if omitted else block["thinking"]
     return out
 
 
 def stop(output: Output) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a finished generation."""
+    """(stop_reason, stop_sequence) of a finished generation (tool_use only with a tool_use
+    block to answer)."""
     if output.finish_reason == "stop" and output.stop:
         return "stop_sequence", output.stop
+    if output.finish_reason == "tool_calls" and not any(
+            call_input(call) is not None for c in output.chunks for call in c.tool_calls):
+        return "end_turn", None
     return _STOP_REASONS.get(output.finish_reason, "end_turn"), None
 
 
@@ -108,6 +145,7 @@ class MessagesStream:
         self._omitted = _omitted(frame)
         self._blocks = 0  # content blocks opened so far
         self._open = ""  # "thinking" | "text" | "": the kind of the open block
+        self._thought = ""  # the open thinking block's thought (its signature seals it)
 
     def start(self) -> bytes:
         """message_start, then a ping (as Anthropic sends them)."""
@@ -122,7 +160,10 @@ class MessagesStream:
         if chunk.text:
             out += self._delta("text", chunk.text)
         for call in chunk.tool_calls:
-            out += self._close() + self._call(call)
+            if call_input(call) is None:
+                out += self._delta("text", call_text(call))
+            else:
+                out += self._close() + self._call(call)
         return out
 
     def error(self, error: ProxyError) -> bytes:
@@ -140,6 +181,8 @@ class MessagesStream:
         out = b""
         if self._open != kind:
             out += self._close() + self._start(kind)
+        if kind == "thinking":
+            self._thought += text
         if kind == "thinking" and self._omitted:
             return out
         delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else \
@@ -147,7 +190,7 @@ class MessagesStream:
         return out + _event("content_block_delta", {"index": self._blocks - 1, "delta": delta})
 
     def _start(self, kind: str) -> bytes:
-        self._open, index = kind, self._blocks
+        self._open, self._thought, index = kind, "", self._blocks
         self._blocks += 1
         block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" \
             else {"type": "text", "text": ""}
@@ -159,7 +202,8 @@ class MessagesStream:
         index, out = self._blocks - 1, b""
         if self._open == "thinking":
             out = _event("content_block_delta", {"index": index, "delta": {
-                "type": "signature_delta", "signature": _signature(self._frame, index)}})
+                "type": "signature_delta",
+                "signature": _signature(self._frame, index, self._thought, self._omitted)}})
         self._open = ""
         return out + _event("content_block_stop", {"index": index})
 

@@ -2,35 +2,39 @@
 
 The conversation becomes chat turns (`turns`); `tools` (`input_schema`), `tool_choice`
 (`auto`, `any` = required, `tool` = that function, `none`), `disable_parallel_tool_use`
-(parallel_tool_calls false), `stop_sequences`, `max_tokens` (required; above the server's
-cap it is the cap: the answer then ends with `max_tokens` where the server stops it),
+(parallel_tool_calls false), `stop_sequences` (up to 64: chat's `stop` takes 4), `max_tokens`
+(required; above the server's cap it is the cap: the answer then ends with `max_tokens` where
+the server stops it),
 `temperature`, `top_p`, `top_k`, `output_config.format` (a json_schema response_format) and
-`output_config.effort` (reasoning_effort; `max` is `xhigh`) map onto their chat forms (a
-tool with `defer_loading` is checked and not shown to the model: this server has no tool search
-to load it); `context_management` is applied to the turns (`context`);
+`output_config.effort` (reasoning_effort; `max` is `xhigh`) map onto their chat forms (tools
+and tool_choice in `tools`: a tool with `defer_loading` is checked and not shown to the model,
+this server having no tool search to load it); `context_management` is applied to the turns
+(`context`);
 `thinking` is the template's thinking switch (`enabled` and `adaptive` on, `disabled` and
 `between_tools` off; absent: off, as in Anthropic's API, where thinking is opt-in, whatever
-the template's default; `budget_tokens` is checked
-and not enforced: the thought ends when the model ends it, within max_tokens). The canonical
-request is chat's, so a question asked through chat completions, Responses or Messages is
-one cache entry.
+the template's default). `budget_tokens` (enabled thinking only; at least 1024 and less than
+max_tokens, as Anthropic checks it) is keyed, not enforced: no runner can cut a thought short,
+so it reaches the template as `thinking_budget` (which templates with a budget read) and two
+budgets are two entries; the thought ends when the model ends it, within max_tokens. The
+canonical request is chat's, so a question asked through chat completions, Responses or
+Messages is one cache entry.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
 
 from cacheproxy.edge.apis.messages.context import edited
+from cacheproxy.edge.apis.messages.tools import tool_choice, tools
 from cacheproxy.edge.apis.messages.turns import turns, unknown
 from cacheproxy.errors import InvalidRequest, ProxyError, Unsupported
 from cacheproxy.keys import fields
 from cacheproxy.keys.canonical import Parsed, RunnerDefaults, parse
 from cacheproxy.keys.paths import Origin, Paths, renamed
-from cacheproxy.keys.tools import NAME, check_schema
 from policies.sampling import SamplingMode
 
 # Fields that change nothing in the answer: accepted, validated, never keyed.
@@ -48,11 +52,19 @@ COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice",
 # thinking.display: omitted, or the thought as generated (this server has no summariser, and
 # Claude Code's `updates` and `highlights` ask to be shown the thought's progress).
 _DISPLAYS = (None, "summarized", "omitted", "updates", "highlights")
-# output_config.effort -> reasoning_effort ("max": the most a template can be asked).
+# output_config.effort (Anthropic's levels, also a system turn's) -> reasoning_effort ("max":
+# the most a template can be asked).
 _EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
-_TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "strict",
-                        "cache_control", "eager_input_streaming", "input_examples",
-                        "defer_loading", "allowed_callers"})
+# Anthropic documents no bound on stop_sequences (OpenAI's `stop` takes 4); this server's
+# keeps the per-token check of each sequence cheap.
+MAX_STOP_SEQUENCES = 64
+SCHEMA_FIELDS = ("tools", "output_config.format", "output_format")
+"""The fields of a Messages body that may carry schemas (counted against the schema budget;
+a body with any is parsed off the event loop)."""
+# thinking.budget_tokens: Anthropic's least, and the template kwarg it is keyed as (the name
+# templates with a thinking budget read, e.g. Seed-OSS's).
+_MIN_BUDGET = 1024
+THINKING_BUDGET = "thinking_budget"
 
 # Where the chat request's fields came from, for an error a chat check raises (with its tools:
 # `_paths`); alone, for one raised while generating. (Its turns are not mapped: a chat turn's
@@ -94,92 +106,77 @@ def _fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
         fields.string(body, name, "")
 
 
-def _tool(raw: object, where: str) -> dict[str, Any] | None:
-    """The chat tool of a Messages tool (None when deferred: its definition is not shown to
-    the model, as with Anthropic's tool search until a search loads it)."""
-    if not isinstance(raw, dict):
-        raise InvalidRequest(f"'{where}' must be an object", param=where)
-    if raw.get("type") not in (None, "custom"):
-        raise Unsupported(f"'{where}.type' {raw['type']!r}: only client tools with an "
-                          "input_schema are supported (Anthropic's server and built-in tools "
-                          "run on Anthropic's side)", param=f"{where}.type")
-    unknown(raw, _TOOL_KEYS, where)
-    if raw.get("input_examples"):
-        raise Unsupported(f"'{where}.input_examples' is not supported (put examples in the "
-                          "description)", param=f"{where}.input_examples")
-    if raw.get("allowed_callers") not in (None, ["direct"]):
-        raise Unsupported(f"'{where}.allowed_callers' other than direct is not supported",
-                          param=f"{where}.allowed_callers")
-    fields.boolean(raw, "eager_input_streaming", False)  # each call is streamed whole anyway
-    deferred = fields.boolean(raw, "defer_loading", False)
-    if not isinstance(raw.get("name"), str) or not NAME.fullmatch(raw["name"]):
-        raise InvalidRequest(f"'{where}.name' must be 1 to 64 letters, digits, '_' or '-'",
-                             param=f"{where}.name")
-    check_schema(raw.get("input_schema"), f"{where}.input_schema")
-    if deferred:
-        return None
-    function = {k: raw[k] for k in ("name", "description", "strict") if raw.get(k) is not None}
-    return {"type": "function", "function": {**function, "parameters": raw["input_schema"]}}
+@dataclass(frozen=True, slots=True)
+class Thinking:
+    """What `thinking` asks: the template's switch, the thought's budget (keyed), whether the
+    thought is shown omitted."""
+
+    switch: bool = False
+    budget: int | None = None
+    omitted: bool = False
 
 
-def _tool_choice(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
-    raw = body.get("tool_choice")
-    if raw is None:
-        return
-    kind = raw.get("type") if isinstance(raw, dict) else None
-    if kind not in ("auto", "any", "tool", "none"):
-        raise InvalidRequest("'tool_choice.type' must be auto, any, tool or none",
-                             param="tool_choice")
-    unknown(raw, frozenset({"type", "name", "disable_parallel_tool_use"}), "tool_choice")
-    if not chat.get("tools"):
-        if kind in ("any", "tool"):
-            raise InvalidRequest(f"'tool_choice' {kind!r} needs tools", param="tool_choice")
-        return  # auto or none without tools: what a request without tools is
-    if kind == "tool":
-        chat["tool_choice"] = {"type": "function",
-                               "function": {"name": fields.string(raw, "name")}}
-    else:
-        chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
-    if fields.boolean(raw, "disable_parallel_tool_use", False) and kind != "none":
-        chat["parallel_tool_calls"] = False
+def _budget(raw: Mapping[str, Any], max_tokens: int) -> int:
+    """`budget_tokens` of enabled thinking, as Anthropic checks it: at least 1024, less than
+    max_tokens."""
+    budget, where = raw.get("budget_tokens"), "thinking.budget_tokens"
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise InvalidRequest(f"'{where}' is required with thinking.type enabled, an integer",
+                             param=where)
+    if not _MIN_BUDGET <= budget < max_tokens:
+        raise InvalidRequest(f"'{where}' must be at least {_MIN_BUDGET} and less than "
+                             f"max_tokens ({max_tokens}), not {budget}", param=where)
+    return budget
 
 
-def _thinking(body: Mapping[str, Any], max_tokens: int) -> tuple[bool, bool]:
-    """(the template's thinking switch; whether the thought is shown omitted). Absent is off:
-    in Anthropic's API thinking is opt-in (Claude Code's MAX_THINKING_TOKENS=0 leaves the
-    field out), whatever the chat template's own default."""
+def _thinking(body: Mapping[str, Any], max_tokens: int) -> Thinking:
+    """What `thinking` asks. Absent is off: in Anthropic's API thinking is opt-in (Claude
+    Code's MAX_THINKING_TOKENS=0 leaves the field out), whatever the chat template's own
+    default."""
     raw = fields.obj(body, "thinking")
     if not raw:
-        return False, False
-    unknown(raw, frozenset({"type", "budget_tokens", "display"}), "thinking")
+        return Thinking()
     kind = raw.get("type")
-    if kind == "enabled":
-        budget = fields.integer(raw, "budget_tokens", None, lo=1, hi=2**31)
-        if budget is None or budget >= max_tokens:
-            raise InvalidRequest("'thinking.budget_tokens' is required and must be less than "
-                                 "max_tokens", param="thinking.budget_tokens")
-    elif kind not in ("adaptive", "disabled", "between_tools"):
+    if kind not in ("enabled", "adaptive", "disabled", "between_tools"):
         raise InvalidRequest("'thinking.type' must be enabled, adaptive, disabled or "
                              "between_tools", param="thinking.type")
+    unknown(raw, frozenset({"type", "budget_tokens", "display"}), "thinking")
+    if kind != "enabled" and raw.get("budget_tokens") is not None:  # it would be ignored
+        raise InvalidRequest(f"'thinking.budget_tokens' is for thinking.type enabled, not "
+                             f"{kind}", param="thinking.budget_tokens")
     if raw.get("display") not in _DISPLAYS:
         raise InvalidRequest(f"'thinking.display' must be one of {_DISPLAYS[1:]}",
                              param="thinking.display")
-    return kind in ("enabled", "adaptive"), raw.get("display") == "omitted"
+    return Thinking(switch=kind in ("enabled", "adaptive"),
+                    budget=_budget(raw, max_tokens) if kind == "enabled" else None,
+                    omitted=raw.get("display") == "omitted")
+
+
+def _effort(config: Mapping[str, Any], where: str) -> str | None:
+    """An output_config's effort, checked: one of Anthropic's levels (400 naming `where`)."""
+    effort = config.get("effort")
+    if effort is not None and (not isinstance(effort, str) or effort not in _EFFORTS):
+        raise InvalidRequest(f"'{where}.effort' must be one of {list(_EFFORTS)}, not "
+                             f"{effort!r}", param=f"{where}.effort")
+    return effort
 
 
 def _turn_effort(body: Mapping[str, Any]) -> str | None:
     """The effort the last system turn sets (Claude Code's per-turn control): the answer now
-    asked is generated at it; an earlier turn's governed only answers already in the history."""
+    asked is generated at it; an earlier turn's governed only answers already in the history,
+    and is checked all the same."""
     effort = None
     for i, turn in enumerate(body["messages"]):
         if turn.get("output_config") is not None:
-            config = fields.obj(turn, "output_config")
-            unknown(config, frozenset({"effort"}), f"messages[{i}].output_config")
-            effort = config.get("effort")  # checked below with the top level's
+            where, config = f"messages[{i}].output_config", turn["output_config"]
+            if not isinstance(config, dict):
+                raise InvalidRequest(f"'{where}' must be an object", param=where)
+            unknown(config, frozenset({"effort"}), where)
+            effort = _effort(config, where) or effort
     return effort
 
 
-def _output(body: Mapping[str, Any], chat: dict[str, Any], switch: bool) -> None:
+def _output(body: Mapping[str, Any], chat: dict[str, Any], thinking: Thinking) -> None:
     """output_config (and the older top-level output_format): format and effort."""
     config = fields.obj(body, "output_config")
     unknown(config, frozenset({"format", "effort"}), "output_config")
@@ -195,12 +192,12 @@ def _output(body: Mapping[str, Any], chat: dict[str, Any], switch: bool) -> None
         unknown(form, frozenset({"type", "schema"}), where)
         chat["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "output", "schema": form.get("schema")}}
-    effort = _turn_effort(body) or config.get("effort")
-    if effort is not None and effort not in _EFFORTS:
-        raise InvalidRequest(f"'output_config.effort' must be one of {list(_EFFORTS)}",
-                             param="output_config.effort")
-    kwargs: dict[str, Any] = {"enable_thinking": switch}
-    if effort is not None and switch is False:  # the level for templates that read it
+    asked = _effort(config, "output_config")
+    effort = _turn_effort(body) or asked
+    kwargs: dict[str, Any] = {"enable_thinking": thinking.switch}
+    if thinking.budget is not None:  # keyed (the runner cannot cut a thought short)
+        kwargs[THINKING_BUDGET] = thinking.budget
+    if effort is not None and thinking.switch is False:  # the level for templates that read it
         kwargs["reasoning_effort"] = _EFFORTS[effort]
     elif effort is not None:
         chat["reasoning_effort"] = _EFFORTS[effort]
@@ -230,16 +227,12 @@ def translate(body: Mapping[str, Any], cap: int, *, counting: bool = False
         if body.get(name) is not None:
             chat[name] = body[name]
     if body.get("stop_sequences") is not None:
-        chat["stop"] = list(fields.stop_list(body, "stop_sequences"))
-    if body.get("tools") is not None:
-        if not isinstance(body["tools"], list):
-            raise InvalidRequest("'tools' must be a list", param="tools")
-        shown = (_tool(t, f"tools[{i}]") for i, t in enumerate(body["tools"]))
-        chat["tools"] = [tool for tool in shown if tool is not None]
-    _tool_choice(body, chat)
-    switch, omitted = _thinking(body, asked or 2**31)
-    _output(body, chat, switch)
-    return chat, omitted
+        chat["stop"] = list(fields.stop_list(body, "stop_sequences", most=MAX_STOP_SEQUENCES))
+    deferred = tools(body, chat)
+    tool_choice(body, chat, deferred)
+    thinking = _thinking(body, asked or 2**31)
+    _output(body, chat, thinking)
+    return chat, thinking.omitted
 
 
 def parse_messages(body: object, defaults: RunnerDefaults, mode: SamplingMode, *,
@@ -253,8 +246,16 @@ def parse_messages(body: object, defaults: RunnerDefaults, mode: SamplingMode, *
     chat, omitted = translate(body, cap, counting=counting)
     try:
         parsed = parse(chat, "chat", defaults, mode, max_tokens_cap=max_tokens_cap,
-                       max_answer_tokens=max_answer_tokens)
+                       max_answer_tokens=max_answer_tokens, max_stops=MAX_STOP_SEQUENCES)
     except ProxyError as error:  # a chat check: named as this request names the field
         raise renamed(error, _paths(body)) from None
     echo = orjson.dumps({"omit_thinking": True}) if omitted else b""
     return replace(parsed, delivery=replace(parsed.delivery, api="messages", echo=echo))
+
+
+def count_messages(body: object, defaults: RunnerDefaults, mode: SamplingMode, *,
+                   max_tokens_cap: int | None = None,
+                   max_answer_tokens: int | None = None) -> Parsed:
+    """The canonical request of a /v1/messages/count_tokens body (it has no max_tokens)."""
+    return parse_messages(body, defaults, mode, max_tokens_cap=max_tokens_cap,
+                          max_answer_tokens=max_answer_tokens, counting=True)

@@ -1,11 +1,13 @@
 """A Messages API conversation as chat turns.
 
 `system` is a first system turn; a turn's text blocks are its text parts (joined as chat
-joins them); an assistant's `thinking` blocks are its reasoning (their signatures accepted,
-never checked or keyed) and its `tool_use` blocks its tool calls; each `tool_result` block is
-a tool turn answering its `tool_use_id` (`is_error`: its text after "Error: "), and the
-user's runs of text are user turns after them. `cache_control` markers are accepted and never
-keyed. Anything else (images, documents, server-tool blocks) is a 400 naming the block.
+joins them); an assistant's `thinking` blocks are its reasoning (a shown thought's signature
+accepted, never checked or keyed; an omitted one's, its text empty, gives the thought it
+seals) and its `tool_use` blocks its tool calls; each `tool_result` block is a tool turn
+answering its `tool_use_id` (`is_error`: its text after "Error: "; the tool_result blocks come
+first in their turn, one for each tool_use, as Anthropic requires), and the user's runs of
+text are user turns after them. `cache_control` markers are accepted and never keyed.
+Anything else (images, documents, server-tool blocks) is a 400 naming the block.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from cacheproxy.edge.apis.responses.tools import opened
 from cacheproxy.errors import InvalidRequest, Unsupported
 from cacheproxy.keys import fields
 
@@ -74,11 +77,8 @@ def _assistant(raw: object, where: str, seen: set[str]) -> dict[str, Any]:
         at, kind = f"{where}[{j}]", block["type"]
         if kind == "text":
             parts.append(_text(block, at))
-        elif kind == "thinking":  # its signature is accepted as is, never checked or keyed
-            unknown(block, frozenset({"type", "thinking", "signature"}), at)
-            if not isinstance(block.get("thinking"), str):
-                raise InvalidRequest(f"'{at}.thinking' must be a string", param=f"{at}.thinking")
-            thought += block["thinking"]
+        elif kind == "thinking":
+            thought += _thought(block, at)
         elif kind == "tool_use":
             calls.append(_tool_use(block, at, seen))
         else:
@@ -90,6 +90,22 @@ def _assistant(raw: object, where: str, seen: set[str]) -> dict[str, Any]:
     if thought:
         turn["reasoning_content"] = thought
     return turn
+
+
+def _thought(block: Mapping[str, Any], where: str) -> str:
+    """A thinking block's thought: its text, or (omitted, its text empty) the thought its
+    signature seals, so the history is the one the model wrote and keys as if shown."""
+    unknown(block, frozenset({"type", "thinking", "signature"}), where)
+    if not isinstance(block.get("thinking"), str):
+        raise InvalidRequest(f"'{where}.thinking' must be a string", param=f"{where}.thinking")
+    if block["thinking"] or block.get("signature") in (None, ""):
+        return str(block["thinking"])  # a shown thought's signature is accepted, never keyed
+    thought = opened(block["signature"])
+    if thought is None:
+        raise InvalidRequest(f"'{where}.signature' was not written by this server, which "
+                             "cannot read another's omitted thinking: send the thought as the "
+                             "block's 'thinking' instead", param=f"{where}.signature")
+    return thought
 
 
 def _tool_use(block: Mapping[str, Any], where: str, seen: set[str]) -> dict[str, Any]:
@@ -111,13 +127,18 @@ def _tool_use(block: Mapping[str, Any], where: str, seen: set[str]) -> dict[str,
             "function": {"name": block.get("name"), "arguments": block["input"]}}
 
 
-def _user(raw: object, where: str, seen: set[str]) -> list[dict[str, Any]]:
-    """A user turn's blocks: each tool_result a tool turn, each run of text a user turn."""
+def _user(raw: object, where: str, seen: set[str], answered: set[str]
+          ) -> list[dict[str, Any]]:
+    """A user turn's blocks: each tool_result a tool turn, each run of text a user turn.
+    As in Anthropic's API, the tool_result blocks come first and answer a call once each."""
     out: list[dict[str, Any]] = []
     for j, block in enumerate(_blocks(raw, where)):
         at, kind = f"{where}[{j}]", block["type"]
+        if kind == "tool_result" and out and out[-1]["role"] == "user":
+            raise InvalidRequest(f"'{at}' is a tool_result after text: in a user turn the "
+                                 "tool_result blocks come first, before any text", param=at)
         if kind == "tool_result":
-            out.append(_tool_result(block, at, seen))
+            out.append(_tool_result(block, at, seen, answered))
         elif kind == "text":
             if not out or out[-1]["role"] != "user":
                 out.append({"role": "user", "content": []})
@@ -130,12 +151,18 @@ def _user(raw: object, where: str, seen: set[str]) -> list[dict[str, Any]]:
     return out
 
 
-def _tool_result(block: Mapping[str, Any], where: str, seen: set[str]) -> dict[str, Any]:
+def _tool_result(block: Mapping[str, Any], where: str, seen: set[str], answered: set[str]
+                 ) -> dict[str, Any]:
     unknown(block, frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}),
             where)
-    if block.get("tool_use_id") not in seen:
+    call_id = block.get("tool_use_id")
+    if call_id not in seen:
         raise InvalidRequest(f"'{where}.tool_use_id' answers no earlier tool_use block",
                              param=f"{where}.tool_use_id")
+    if call_id in answered:
+        raise InvalidRequest(f"'{where}.tool_use_id' {call_id!r} is answered twice: each "
+                             "tool_use has a single tool_result", param=f"{where}.tool_use_id")
+    answered.add(str(call_id))
     content = block.get("content")
     joined = "" if content is None else texts(content, f"{where}.content")
     text = joined if isinstance(joined, str) else "".join(p["text"] for p in joined)
@@ -153,6 +180,7 @@ def turns(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise InvalidRequest("'messages' must be a non-empty list", param="messages")
     seen: set[str] = set()  # the ids of the tool_use blocks so far
+    answered: set[str] = set()  # the ids of those a tool_result block answered
     for i, turn in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(turn, dict):
@@ -167,7 +195,7 @@ def turns(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         elif role == "assistant":
             out.append(_assistant(content, f"{where}.content", seen))
         else:
-            out.extend(_user(content, f"{where}.content", seen))
+            out.extend(_user(content, f"{where}.content", seen, answered))
     if raw[-1].get("role") == "assistant":
         last = f"messages[{len(raw) - 1}]"
         raise InvalidRequest(f"'{last}' is an assistant turn to continue (a prefill): this "

@@ -34,8 +34,11 @@ from typing import Any
 
 import orjson
 
+from cacheproxy.edge.apis.responses import fields as responses_fields
+from cacheproxy.edge.apis.responses import items as responses_items
+from cacheproxy.edge.apis.responses import tools as responses_tools
 from cacheproxy.errors import InvalidRequest, ProxyError, Unsupported
-from cacheproxy.keys import fields, responses_fields, responses_items, responses_tools
+from cacheproxy.keys import fields
 from cacheproxy.keys.canonical import Parsed, RunnerDefaults, parse
 from cacheproxy.keys.paths import Origin, Paths, renamed
 from policies.sampling import SamplingMode

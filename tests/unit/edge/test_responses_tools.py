@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from openai.types.responses import function_tool_param, namespace_tool_param
 
+from cacheproxy.edge.apis.responses import tools as responses_tools
 from cacheproxy.errors import InvalidRequest, Unsupported
-from cacheproxy.keys import responses_tools
-from tests.unit.keys.test_responses_fields import AGENTS, ASK, SPAWN, chat_key
+from tests.unit.edge.test_responses_fields import AGENTS, ASK, SPAWN, chat_key
 
 
 def _keys(typed: Any) -> frozenset[str]:

@@ -16,12 +16,12 @@ from typing import Any
 import orjson
 import xxhash
 
-from cacheproxy.edge.render import Frame, call_id
+from cacheproxy.edge.apis.frame import Frame, call_id
+from cacheproxy.edge.apis.responses.request import PATHS
+from cacheproxy.edge.apis.responses.tools import seal
 from cacheproxy.errors import ProxyError
 from cacheproxy.keys.codec import Chunk, Output, ToolCallOut
 from cacheproxy.keys.paths import renamed
-from cacheproxy.keys.responses import PATHS
-from cacheproxy.keys.responses_tools import seal
 
 
 def _item_id(frame: Frame, kind: str, index: int = 0) -> str:

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from cacheproxy.edge.apis.responses import fields as responses_fields
+from cacheproxy.edge.apis.responses.request import translate
+from cacheproxy.edge.apis.responses.tools import seal, unseal
 from cacheproxy.errors import InvalidRequest, Unsupported
-from cacheproxy.keys import responses_fields
-from cacheproxy.keys.responses import translate
-from cacheproxy.keys.responses_tools import seal, unseal
 from tests.unit.keys.test_tools import key
 
 ASK = {"input": "Hi"}
@@ -116,7 +116,7 @@ def test_sealed_reasoning_round_trips_and_a_foreign_seal_is_a_400() -> None:
         assert refused.value.param == "input[1].encrypted_content"
 
 
-# Every field of a Responses request, by its decision (cacheproxy/keys/responses_fields.py).
+# Every field of a Responses request, by its decision (cacheproxy/edge/apis/responses/fields.py).
 
 def test_every_field_the_sdk_defines_has_a_decision() -> None:
     from openai.types.responses import response_create_params as params

@@ -19,10 +19,10 @@ from openai.types.responses import (
     response_reasoning_item_param,
 )
 
+from cacheproxy.edge.apis.responses import items as responses_items
+from cacheproxy.edge.apis.responses.tools import seal
 from cacheproxy.errors import InvalidRequest, Unsupported
-from cacheproxy.keys import responses_items
-from cacheproxy.keys.responses_tools import seal
-from tests.unit.keys.test_responses_fields import chat_key
+from tests.unit.edge.test_responses_fields import chat_key
 
 
 def _keys(*typed: Any) -> frozenset[str]:

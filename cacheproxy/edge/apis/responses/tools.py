@@ -181,13 +181,22 @@ def seal(thought: str) -> str:
     return _SEAL + base64.urlsafe_b64encode(thought.encode()).decode()
 
 
-def unseal(token: object, where: str) -> str:
-    """The thought of an `encrypted_content` this server wrote; 400 for any other."""
+def opened(token: object) -> str | None:
+    """The thought `seal` sealed in `token`; None when this server did not write it."""
     try:
         if isinstance(token, str) and token.startswith(_SEAL):
-            return base64.urlsafe_b64decode(token[len(_SEAL):].encode()).decode()
+            sealed = token[len(_SEAL):].encode()
+            return base64.b64decode(sealed, altchars=b"-_", validate=True).decode()
     except (binascii.Error, UnicodeDecodeError, ValueError):
         pass
+    return None
+
+
+def unseal(token: object, where: str) -> str:
+    """The thought of an `encrypted_content` this server wrote; 400 for any other."""
+    thought = opened(token)
+    if thought is not None:
+        return thought
     raise InvalidRequest(f"'{where}' was not written by this server, which cannot read "
                          "another's encrypted reasoning: send the thought as the item's "
                          "content instead", param=where)
