@@ -20,6 +20,9 @@ with its own servers, bounded in time:
   schema-flood     --flooders clients (2) send a response_format of --flood-properties
                    (10,000: 340 KB) back to back while a HIT is timed: expect its median
                    under 50 ms (the schema checks run off the event loop)
+  regex-bombs      --bombs (50) distinct 170-byte regex-bomb schemas, one after another:
+                   expect each a 400 schema_too_complex and the server's RSS within
+                   +200 MB of before (nothing that failed is cached)
   slow-bodies      --slow-bodies connections (1,000) send their headers, then a body byte
                    every 3 s, while 100 fresh clients (a connection each) and 10 keep-alive
                    clients connected before (asking every 5 s) ask for a HIT: expect >= 95 %
@@ -558,6 +561,24 @@ def schema_flood(work: Path, args: argparse.Namespace) -> Outcome:
     return out
 
 
+def regex_bombs(work: Path, args: argparse.Namespace) -> Outcome:
+    out = Outcome("regex-bombs", expected="every bomb a 400 schema_too_complex, RSS < +200 MB")
+    with children() as procs:
+        proxy = in_process_proxy(procs, work, "--store", "memory://")
+        codes, before, after = asyncio.run(hostile_load.regex_bombs_against(
+            proxy.url, lambda: proc_usage(proxy.proc.pid)[0], bombs=args.bombs))
+    out.sent = sum(codes.values())
+    out.succeeded = codes["400:schema_too_complex"]
+    out.failed = out.sent - out.succeeded
+    out.caches = dict(codes)
+    out.extra = {"rss_before_mib": round(before, 1), "rss_after_mib": round(after, 1),
+                 "rss_growth_mib": round(after - before, 1), "bombs": args.bombs}
+    out.notes = (f"{args.bombs} distinct regex bombs: {dict(codes)}; RSS {before:.0f} -> "
+                 f"{after:.0f} MiB ({after - before:+.0f})")
+    out.ok = out.failed == 0 and after - before < 200
+    return out
+
+
 def slow_bodies(work: Path, args: argparse.Namespace) -> Outcome:
     out = Outcome("slow-bodies", expected=">= 95 % fresh served, every keep-alive one")
     # As the probe (the connections the server closes stay closed); the same with no
@@ -948,7 +969,7 @@ SCENARIOS: dict[str, Callable[[Path, argparse.Namespace], Outcome]] = {
     "redis-restart": redis_restart, "proxy-sigkill": proxy_sigkill,
     "runner-killed": runner_killed, "disconnects": disconnects, "hostile": hostile_requests,
     "soak": soak, "slowloris": slowloris, "unread": unread, "disk-full": disk_full,
-    "schema-flood": schema_flood, "slow-bodies": slow_bodies,
+    "schema-flood": schema_flood, "regex-bombs": regex_bombs, "slow-bodies": slow_bodies,
     "disk-full-restart": disk_full_restart, "read-only": read_only, "corrupt": corrupt_db,
 }
 
@@ -1017,6 +1038,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--storm-tokens", type=int, default=64)
     p.add_argument("--slowloris", type=int, default=1000, help="connections trickling headers")
     p.add_argument("--flooders", type=int, default=2, help="clients flooding schemas")
+    p.add_argument("--bombs", type=int, default=50, help="regex-bomb schemas sent")
     p.add_argument("--flood-properties", type=int, default=10_000,
                    help="properties of the flooding response_format")
     p.add_argument("--flood-seconds", type=float, default=20.0)
@@ -1035,6 +1057,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.victims, args.storm, args.storm_tokens = 3, 12, 32
         args.slowloris, args.slow_bodies = 50, 50
         args.flooders, args.flood_properties, args.flood_seconds = 1, 1500, 3.0
+        args.bombs = 3
         args.unread, args.unread_n, args.unread_tokens, args.disk_room = 20, 8, 100, 64 << 10
     args.only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(args.only) - set(SCENARIOS)

@@ -4,6 +4,9 @@
   schema_flood_against   clients loop on a response_format of N properties (asked
                          only-if-cached: its parse is all the work each makes) while a HIT
                          is timed: its median must stay under 50 ms
+  regex_bombs_against    N distinct regex-bomb schemas (170 bytes, ~2 million regex states
+                         each), one after another: each a 400 schema_too_complex, and the
+                         server's RSS after them within +200 MB of before
   slow_bodies_against    N connections send a request's headers, then its body a byte every
                          3 s (each one the server closes is opened again), while fresh
                          clients (a new connection each) and keep-alive clients (connected
@@ -51,6 +54,32 @@ def percentile(values: list[float], q: float) -> float:
     """The q-quantile (0..1) of `values`, nearest rank; inf when empty."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("inf")
+
+
+def bomb(n: int, model: str) -> dict[str, Any]:
+    """A request whose response_format is a 170-byte regex bomb (each n a new grammar)."""
+    return {"model": model, "max_tokens": 8,
+            "messages": [{"role": "user", "content": "Say a word."}],
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "bomb",
+                "schema": {"type": "string", "pattern": f"^((a{{200}}){{100}}){{{n}}}$"}}}}
+
+
+async def regex_bombs_against(url: str, rss_mb: Any, *, bombs: int = 50,
+                              model: str = "demo") -> tuple[Counter[str], float, float]:
+    """Send `bombs` distinct regex bombs one after another; (status:code counts, the server's
+    RSS in MiB before, after), `rss_mb()` reading it."""
+    codes: Counter[str] = Counter()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        async with session.post(url + PATH, json=hit_body(model)) as r:  # a first grammar-less
+            await r.read()  # answer: the model and its tokenizer warm, as in service
+        before = rss_mb()
+        for n in range(100, 100 + bombs):
+            async with session.post(url + PATH, json=bomb(n, model)) as r:
+                answer = await r.json(content_type=None)
+                code = (answer.get("error") or {}).get("code") if isinstance(answer, dict) else None
+                codes[f"{r.status}:{code}"] += 1
+    return codes, before, rss_mb()
 
 
 @dataclass
