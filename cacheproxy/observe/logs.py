@@ -13,6 +13,7 @@ import atexit
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, MutableMapping
 from typing import Any, BinaryIO, cast
@@ -72,6 +73,10 @@ class BatchedLines:
         self._buffer = bytearray()  # rendered lines, each ending in a newline
         self._access: list[AccessRecord] = []  # queued after everything in the buffer
         self._lines = 0  # queued in either
+        # Lines come from other threads too (the lane's, the store's, printed output): the
+        # buffer is taken under a lock. (An access line is queued by the event loop alone,
+        # with no lock: the list is swapped, never cleared under a writer.)
+        self._lock = threading.Lock()
 
     def access(self, record: AccessRecord) -> None:
         """Queue an access line."""
@@ -82,11 +87,12 @@ class BatchedLines:
 
     def info(self, message: bytes) -> None:
         """Queue one rendered line (also used for debug)."""
-        if self._access:
-            self._render_access()  # they came first
-        self._buffer += message
-        self._buffer += b"\n"
-        self._lines += 1
+        with self._lock:
+            if self._access:
+                self._render_access()  # they came first
+            self._buffer += message
+            self._buffer += b"\n"
+            self._lines += 1
         if self._lines >= MAX_PENDING:
             self.flush()
 
@@ -109,10 +115,11 @@ class BatchedLines:
         """Write what is queued."""
         if not self._lines:
             return
-        self._render_access()
-        data = bytes(self._buffer)
-        self._buffer.clear()
-        self._lines = 0
+        with self._lock:
+            self._render_access()
+            data = bytes(self._buffer)
+            self._buffer.clear()
+            self._lines = 0
         try:
             self._stream.write(data)
             self._stream.flush()
@@ -121,10 +128,10 @@ class BatchedLines:
 
     def _render_access(self) -> None:
         encoded, dumps = self._stamp.encoded, orjson.dumps
+        records, self._access = self._access, []
         self._buffer += b"".join([_ACCESS_LINE % (
             dumps(request_id), fixed, dumps(total_ms), cache_fields, encoded(logged_at))
-            for request_id, fixed, total_ms, cache_fields, logged_at in self._access])
-        self._access.clear()
+            for request_id, fixed, total_ms, cache_fields, logged_at in records])
 
 
 ACCESS_KEYS = ("request_id", "method", "path", "status", "total_ms")

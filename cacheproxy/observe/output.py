@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import sys
+import threading
 import time
 from typing import TextIO
 
@@ -28,6 +29,7 @@ class JsonLines(io.TextIOBase):
         self._original = original
         self._stamp = IsoTimestamp()
         self._partial = ""
+        self._lock = threading.Lock()
 
     @property
     def encoding(self) -> str:  # type: ignore[override]
@@ -48,16 +50,24 @@ class JsonLines(io.TextIOBase):
         return True
 
     def write(self, text: str) -> int:
-        *lines, self._partial = (self._partial + text).replace("\r", "\n").split("\n")
+        with self._lock:  # (threads print too: each line whole, in order)
+            *lines, self._partial = (self._partial + text).replace("\r", "\n").split("\n")
         for line in lines:
-            if line.strip():
-                self._batched.warning(orjson.dumps({
-                    "event": line, "logger": self._name, "level": self._level,
-                    "timestamp": self._stamp.format(time.time())}))
+            self._line(line)
         return len(text)
 
     def flush(self) -> None:
+        """Write what is queued, a last line without its newline included."""
+        with self._lock:
+            line, self._partial = self._partial, ""
+        self._line(line)
         self._batched.flush()
+
+    def _line(self, line: str) -> None:
+        if line.strip():
+            self._batched.warning(orjson.dumps({
+                "event": line, "logger": self._name, "level": self._level,
+                "timestamp": self._stamp.format(time.time())}))
 
 
 def capture(batched: BatchedLines) -> None:

@@ -1,9 +1,10 @@
-"""Measuring near-tie margins on the device, in the graph of the token being decoded.
+"""Measuring near-tie margins on the device, from the log-probabilities of each decision.
 
-Each decision's gap is a lazy scalar built from the log-probabilities the sampler saw and the
-token it drew (a log-probability gap is the logit gap: both sides share the normalizer), and
-is evaluated with that token, so measuring adds no synchronization per token; the gaps are
-read back once, when the answer ends (`keys.margin` summarizes them).
+A decision's gap is built from the log-probabilities the sampler saw and the token it drew (a
+log-probability gap is the logit gap: both sides share the normalizer). The decisions are
+kept as they come (their arrays already evaluated with their tokens) and their gaps built a
+batch at a time, in one graph scheduled asynchronously, so measuring adds no synchronization
+per token; the gaps are read back once, when the answer ends (`keys.margin` summarizes them).
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ class Trail:
     token; every `BATCH` decisions their gaps are built in one graph and scheduled together,
     so the cost per token is a list append (building and scheduling the few ops of a gap for
     each token cost ~100 µs at a 1,024 vocabulary, 3 % of the demo model's decode step), and
-    at most `BATCH` rows of log-probabilities are held at a time."""
+    at most `HELD` log-probabilities are held at a time (13 rows of a 152k vocabulary)."""
 
-    BATCH = 32
+    BATCH = 32  # decisions per graph, at most; fewer for a large vocabulary:
+    HELD = 1 << 21  # values of log-probabilities held at most (8 MiB of float32)
 
     def __init__(self) -> None:
         self._gaps: list[Any] = []  # lazy (n, 1) arrays, scheduled
@@ -61,7 +63,7 @@ class Trail:
         self._logprobs.append(logprobs)
         self._tokens.append(token)
         self._count += 1
-        if len(self._tokens) >= self.BATCH:
+        if len(self._tokens) >= max(1, min(self.BATCH, self.HELD // logprobs.size)):
             self._schedule()
 
     @property

@@ -179,6 +179,9 @@ def test_max_tokens_is_required_and_capped_and_sampling_is_passed_on() -> None:
     ({"messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_9", "content": "x"}]}]},
      "messages[0].content[0].tool_use_id"),
+    ({"messages": [{"role": "user", "content": [  # unhashable: was a TypeError, a 500
+        {"type": "tool_result", "tool_use_id": ["toolu_9"], "content": "x"}]}]},
+     "messages[0].content[0].tool_use_id"),
 ])
 def test_what_cannot_be_honoured_is_refused_by_name(body: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as refused:

@@ -31,3 +31,30 @@ def test_printed_lines_become_json_lines(monkeypatch: pytest.MonkeyPatch,
         ("stdout", "info", "[WARNING] a library's line"), ("stderr", "warning", "half a line")]
     assert all(e["timestamp"].endswith("Z") for e in lines)
     assert capsys.readouterr() == ("", "")  # nothing reached the streams as text
+
+
+def test_a_last_line_without_its_newline_is_written_at_the_flush_and_threads_keep_lines_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    sink = io.BytesIO()
+    batched = BatchedLines(sink, IsoTimestamp())
+    monkeypatch.setattr(sys, "stdout", sys.stdout)
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
+    output.capture(batched)
+
+    def chatter(name: str) -> None:
+        for i in range(200):
+            sys.stdout.write(f"{name} {i}\n")
+
+    threads = [threading.Thread(target=chatter, args=(n,)) for n in ("a", "b", "c")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sys.stdout.write("no newline at the end")
+    assert b"no newline" not in sink.getvalue()  # control: held until a newline or a flush
+    sys.stdout.flush()
+    events = [orjson.loads(line)["event"] for line in sink.getvalue().splitlines()]
+    assert sorted(events[:-1]) == sorted(f"{n} {i}" for n in "abc" for i in range(200))
+    assert events[-1] == "no newline at the end"

@@ -156,13 +156,16 @@ def _tool_result(block: Mapping[str, Any], where: str, seen: set[str], answered:
     unknown(block, frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}),
             where)
     call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str):
+        raise InvalidRequest(f"'{where}.tool_use_id' must be the string id of an earlier "
+                             "tool_use block", param=f"{where}.tool_use_id")
     if call_id not in seen:
         raise InvalidRequest(f"'{where}.tool_use_id' answers no earlier tool_use block",
                              param=f"{where}.tool_use_id")
     if call_id in answered:
         raise InvalidRequest(f"'{where}.tool_use_id' {call_id!r} is answered twice: each "
                              "tool_use has a single tool_result", param=f"{where}.tool_use_id")
-    answered.add(str(call_id))
+    answered.add(call_id)
     content = block.get("content")
     joined = "" if content is None else texts(content, f"{where}.content")
     text = joined if isinstance(joined, str) else "".join(p["text"] for p in joined)
