@@ -248,6 +248,7 @@ class DiskBackend:
             self._watch.reset()  # (no connection holds them: the files may be new ones)
         broken, was = self._watch.broken(), self._broken
         self._broken = broken
+        self._recencies.paused = bool(broken)
         path = str(self._directory / DB_FILENAME)
         if broken and not was:
             log.warning("disk_store_frozen", path=path, reason=broken,

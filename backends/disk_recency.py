@@ -36,6 +36,9 @@ class Recencies:
     def __init__(self, database: Path) -> None:
         self._uri = f"file:{quote(str(database))}?mode=rw"  # (never creates the file)
         self._database = database
+        # Set by the store while its files may not be touched (disk_frozen: a truncated
+        # shared-memory file is not a flag a look here would see).
+        self.paused = False
         self._pending: dict[str, float] = {}  # key -> read time; only the store's thread
         self._writing: Future[None] | None = None  # the batch in flight
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheproxy-recency")
@@ -117,7 +120,7 @@ class Recencies:
     def _write(self, batch: dict[str, float]) -> None:
         # A connection for each batch, closed after: one left open would outlive the file
         # if it were quarantined. Not while a file is frozen (disk_frozen: SIGBUS).
-        if frozen_file(self._database) is not None:
+        if self.paused or frozen_file(self._database) is not None:
             self.drop(len(batch))
             return
         try:
