@@ -248,3 +248,18 @@ def test_a_tool_reference_is_refused_with_how_to_turn_tool_search_off() -> None:
                            {"role": "user", "content": [found]}])
     assert refused.value.param == "messages[2].content[0].content[0].type"
     assert "ENABLE_TOOL_SEARCH=false" in refused.value.message
+
+
+def test_a_thought_omitted_before_thoughts_were_sealed_goes_on_as_an_empty_thought() -> None:
+    # A conversation begun before the seal: the omitted block came back empty under the shown
+    # signature's form. It goes on (its lost thought empty, as it keyed then), not a 400.
+    follow = {"role": "user", "content": "And owls?"}
+    old = [{"type": "thinking", "thinking": "", "signature": "cacheproxy-0123456789abcdef"},
+           {"type": "text", "text": "Mice."}]
+    went_on = messages(messages=[ASK, {"role": "assistant", "content": old}, follow])
+    assert went_on.request == chat(messages=[ASK, {"role": "assistant", "content": "Mice."},
+                                             follow]).request
+    # Control: another server's signature on an empty thought is still refused.
+    with pytest.raises(InvalidRequest):
+        messages(messages=[ASK, {"role": "assistant", "content": [
+            {**old[0], "signature": "EqQBCkgIAhABGAIiQ"}, old[1]]}, follow])

@@ -20,6 +20,7 @@ import xxhash
 
 from cacheproxy.edge.apis.frame import Frame
 from cacheproxy.edge.apis.messages.errors import error_body
+from cacheproxy.edge.apis.messages.turns import SHOWN_SIGNATURE
 from cacheproxy.edge.apis.responses.tools import seal
 from cacheproxy.errors import ProxyError
 from cacheproxy.keys.codec import Chunk, Output, ToolCallOut
@@ -38,7 +39,7 @@ def _signature(frame: Frame, index: int, thought: str, omitted: bool) -> str:
     (not a proof of origin as Anthropic's are)."""
     if omitted:
         return seal(thought)
-    return "cacheproxy-" + xxhash.xxh3_64_hexdigest(f"{frame.key}/thinking/{index}".encode())
+    return SHOWN_SIGNATURE + xxhash.xxh3_64_hexdigest(f"{frame.key}/thinking/{index}".encode())
 
 
 def _omitted(frame: Frame) -> bool:

@@ -92,14 +92,22 @@ def _assistant(raw: object, where: str, seen: set[str]) -> dict[str, Any]:
     return turn
 
 
+SHOWN_SIGNATURE = "cacheproxy-"  # what the renderer signs a shown thought with
+
+
 def _thought(block: Mapping[str, Any], where: str) -> str:
     """A thinking block's thought: its text, or (omitted, its text empty) the thought its
     signature seals, so the history is the one the model wrote and keys as if shown."""
     unknown(block, frozenset({"type", "thinking", "signature"}), where)
     if not isinstance(block.get("thinking"), str):
         raise InvalidRequest(f"'{where}.thinking' must be a string", param=f"{where}.thinking")
-    if block["thinking"] or block.get("signature") in (None, ""):
-        return str(block["thinking"])  # a shown thought's signature is accepted, never keyed
+    signature = block.get("signature")
+    if block["thinking"] or signature in (None, "") or \
+            (isinstance(signature, str) and signature.startswith(SHOWN_SIGNATURE)):
+        # A shown thought's signature is accepted, never keyed; so is an empty thought under
+        # one, as this server omitted thoughts before it sealed them (a conversation begun
+        # then goes on, its lost thoughts empty, as it keyed then).
+        return str(block["thinking"])
     thought = opened(block["signature"])
     if thought is None:
         raise InvalidRequest(f"'{where}.signature' was not written by this server, which "
