@@ -351,7 +351,7 @@ class ConnectionGuard:
         return True
 
     def _make_room(self, handler: RequestHandler, transport: asyncio.Transport,
-                   among: Iterable[RequestHandler]) -> None:
+                   among: Iterable[RequestHandler], *, deferred: bool = False) -> None:
         connections = self._server.connections
         self._closing.intersection_update(connections)  # (those closed are gone from it)
         others = [other for other in among  # oldest first
@@ -360,6 +360,12 @@ class ConnectionGuard:
         waiting = next((other for other in others if _waiting_for_a_request(other)), None)
         if fresh is not None:  # no request yet: a slowloris, or a client about to send
             self._evict(fresh)
+        elif self._cut_bodies and not deferred and waiting is not None and \
+                _arriving(others) is None and any(map(_starting, others)):
+            # A request taken from its queue whose task has not run yet is in no list a
+            # body can be found in: decide on the next turn, when it is, rather than evict
+            # the idle client (under load many connections are in that turn at once).
+            asyncio.get_running_loop().call_soon(self._room_later, handler, transport)
         elif self._cut_bodies and (body := _arriving(others)) is not None:
             # (its connection closes once the 408 is sent)
             body.set_exception(RequestTimeout("the request body was cut: it was still "
@@ -369,6 +375,11 @@ class ConnectionGuard:
             self._evict(waiting)
         else:
             self._refuse(transport)
+
+    def _room_later(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        connections = self._server.connections
+        if handler in connections and len(connections) > self._max:
+            self._make_room(handler, transport, connections, deferred=True)
 
     def _evict(self, other: RequestHandler) -> None:
         # On the next turn of the loop: a connection accepted in the same turn has not
@@ -420,6 +431,13 @@ def _waiting_for_a_request(handler: RequestHandler) -> bool:
     """Between requests: no request being handled, headers of the next not complete."""
     waiter = handler._waiter
     return waiter is not None and not waiter.done()
+
+
+def _starting(handler: RequestHandler) -> bool:
+    """A request taken from the queue whose handling task has not started (or one that just
+    ended): neither its body nor the wait for the next request can be seen."""
+    return handler._request_count > 0 and handler._current_request is None and \
+        not handler._messages and not _waiting_for_a_request(handler)
 
 
 def _before_a_request(handler: RequestHandler) -> bool:
