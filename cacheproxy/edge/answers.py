@@ -17,7 +17,7 @@ import orjson
 from aiohttp import hdrs, web
 
 from cacheproxy.edge.aiohttp_adapter import Body, Rendered, forget_frames, header_lines
-from cacheproxy.edge.apis import APIS, Stream
+from cacheproxy.edge.apis import APIS, Stream, replay
 from cacheproxy.edge.apis.frame import Frame, ResponseIds
 from cacheproxy.edge.repeats import Repeat, RepeatKey
 from cacheproxy.edge.route import JSON, Handler
@@ -96,7 +96,7 @@ def _stream_of(frame: Frame) -> Stream:
 
 
 def _whole_stream(frame: Frame, output: Output) -> bytes:
-    return APIS[frame.delivery.api].whole_stream(frame, output)
+    return replay(APIS[frame.delivery.api].stream(frame), output)
 
 
 def _repeat_hit(repeat: Repeat, ids: ResponseIds) -> Rendered:

@@ -227,8 +227,9 @@ def ask_paris() -> list[dict[str, Any]]:
 def test_the_stream_opens_the_items_the_final_response_holds(finish: str) -> None:
     # A thought, text, a call, more text (and a second thought): the items are the runs in
     # the order they came, each with an id of its own, in the stream and in the response.
+    from cacheproxy.edge.apis import replay
     from cacheproxy.edge.apis.frame import Frame
-    from cacheproxy.edge.apis.responses.render import whole_stream
+    from cacheproxy.edge.apis.responses.render import ResponsesStream
     from cacheproxy.keys.canonical import Delivery
     from cacheproxy.keys.codec import Chunk, Output, ToolCallOut
 
@@ -239,7 +240,8 @@ def test_the_stream_opens_the_items_the_final_response_holds(finish: str) -> Non
     output = Output(chunks, finish, 10, 7)
     frame = Frame("resp_1", 0, MODEL, "fp", Delivery(True, False, 1, MODEL,
                   api="responses"), False, False, key="ns/abc")
-    events = [EVENT.validate_json(line[6:]) for line in whole_stream(frame, output).split(b"\n")
+    streamed = replay(ResponsesStream(frame), output)
+    events = [EVENT.validate_json(line[6:]) for line in streamed.split(b"\n")
               if line.startswith(b"data: ")]
     done = [e.item.model_dump(exclude_none=True) for e in events
             if e.type == "response.output_item.done"]

@@ -42,6 +42,12 @@ class Stream(Protocol):
     def end(self, output: Output) -> bytes: ...
 
 
+def replay(stream: Stream, output: Output) -> bytes:
+    """Every event of a stream at once: a streamed HIT replays the stored chunk boundaries."""
+    return stream.start() + b"".join(map(stream.chunk, output.chunks)) + stream.end(output) + \
+        stream.done
+
+
 def _openai_error(error: ProxyError) -> dict[str, object]:
     return error.body()
 
@@ -56,7 +62,6 @@ class Api:
     schema_fields: SchemaFields  # of its bodies: what may carry schemas (keys/budget.py)
     body: Callable[[Frame, Output], dict[str, Any]]
     stream: Callable[[Frame], Stream]
-    whole_stream: Callable[[Frame, Output], bytes]
     error: Callable[[ProxyError], dict[str, object]] = _openai_error
     key_header: str = ""  # a header that carries the API key besides `Authorization: Bearer`
 
@@ -64,16 +69,15 @@ class Api:
 _CHAT_SCHEMAS = ("tools", "functions", "response_format")
 APIS: Mapping[Route, Api] = {
     "chat": Api(("/v1/chat/completions",), "chatcmpl-", chat.parse, _CHAT_SCHEMAS,
-                chat_render.body, chat_render.ChatStream, chat_render.whole_stream),
+                chat_render.body, chat_render.ChatStream),
     "completions": Api(("/v1/completions",), "cmpl-", completions.parse, _CHAT_SCHEMAS,
-                       completions_render.body, completions_render.CompletionStream,
-                       completions_render.whole_stream),
+                       completions_render.body, completions_render.CompletionStream),
     "responses": Api(("/v1/responses",), "resp_", parse_responses, ("tools", "text"),
                      responses_render.response, responses_render.ResponsesStream,
-                     responses_render.whole_stream, responses_render.error_body),
+                     responses_render.error_body),
     "messages": Api(("/v1/messages",), "msg_", parse_messages, MESSAGES_SCHEMAS,
                     messages_render.body, messages_render.MessagesStream,
-                    messages_render.whole_stream, messages_errors.error_body, "x-api-key"),
+                    messages_errors.error_body, "x-api-key"),
 }
 PARSERS: Mapping[Route, BodyParser] = {name: BodyParser(api.parse, api.schema_fields)
                                        for name, api in APIS.items()}

@@ -10,8 +10,9 @@ from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
+from cacheproxy.edge.apis import replay
 from cacheproxy.edge.apis.frame import Frame
-from cacheproxy.edge.apis.messages.render import body, whole_stream
+from cacheproxy.edge.apis.messages.render import MessagesStream, body
 from cacheproxy.edge.apis.responses.tools import opened
 from cacheproxy.keys.canonical import Delivery
 from cacheproxy.keys.codec import Chunk, Output, ToolCallOut
@@ -32,7 +33,7 @@ def frame(echo: bytes = b"", *, cached: bool = False) -> Frame:
 def streamed(frame: Frame, output: Output) -> dict[str, Any]:
     """The message the SDK's stream reader builds from the events."""
     snapshot, bufs = None, {}  # type: ignore[var-annotated]
-    for block in whole_stream(frame, output).decode().split("\n\n"):
+    for block in replay(MessagesStream(frame), output).decode().split("\n\n"):
         if not block.strip() or block.startswith("event: ping"):
             continue
         event = EVENT.validate_json(block.split("\ndata: ", 1)[1])
@@ -67,7 +68,7 @@ def test_omitted_thinking_keeps_its_blocks_with_the_thought_sealed_as_the_signat
     assert [b["thinking"] for b in thoughts] == ["", ""]
     assert [opened(b["signature"]) for b in thoughts] == ["I look it up.", "Done."]
     assert streamed(omitted, output)["content"] == whole["content"]
-    assert b"thinking_delta" not in whole_stream(omitted, output)
+    assert b"thinking_delta" not in replay(MessagesStream(omitted), output)
     # Control: a shown thought's signature is a token that seals nothing.
     shown = [b for b in body(frame(), output)["content"] if b["type"] == "thinking"]
     assert [b["thinking"] for b in shown] == ["I look it up.", "Done."]

@@ -118,10 +118,3 @@ class ChatStream:
         if frame.delivery.include_usage:
             out.append(usage_chunk(frame, _CHUNK, output))
         return sse(out)
-
-
-def whole_stream(frame: Frame, output: Output) -> bytes:
-    """Every event of a stream at once (a hit replays the stored chunk boundaries)."""
-    stream = ChatStream(frame)
-    return stream.start() + b"".join(stream.chunk(c) for c in output.chunks) + \
-        stream.end(output) + DONE

@@ -77,10 +77,3 @@ class CompletionStream:
         if frame.delivery.include_usage:
             out.append(usage_chunk(frame, _OBJECT, output))
         return sse(out)
-
-
-def whole_stream(frame: Frame, output: Output) -> bytes:
-    """Every event of a stream at once (a hit replays the stored chunk boundaries)."""
-    stream = CompletionStream(frame)
-    return stream.start() + b"".join(stream.chunk(c) for c in output.chunks) + \
-        stream.end(output) + DONE

@@ -216,10 +216,3 @@ class MessagesStream:
                 + _event("content_block_delta", {"index": index, "delta": {
                     "type": "input_json_delta", "partial_json": call.arguments}})
                 + _event("content_block_stop", {"index": index}))
-
-
-def whole_stream(frame: Frame, output: Output) -> bytes:
-    """Every event of a message at once (a HIT replays the stored chunk boundaries)."""
-    stream = MessagesStream(frame)
-    return stream.start() + b"".join(stream.chunk(c) for c in output.chunks) + \
-        stream.end(output)

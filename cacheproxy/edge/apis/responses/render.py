@@ -254,13 +254,6 @@ class ResponsesStream:
                                              call.arguments)))
 
 
-def whole_stream(frame: Frame, output: Output) -> bytes:
-    """Every event of a response at once (a HIT replays the stored chunk boundaries)."""
-    stream = ResponsesStream(frame)
-    return stream.start() + b"".join(stream.chunk(c) for c in output.chunks) + \
-        stream.end(output)
-
-
 def error_body(error: ProxyError) -> dict[str, object]:
     """OpenAI's error object, naming the Responses path of a field chat's checks named."""
     return renamed(error, PATHS).body()
