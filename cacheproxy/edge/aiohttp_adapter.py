@@ -323,7 +323,7 @@ class ConnectionGuard:
                     self._peer_over(handler, transport, peer, bound):  # (closing counted)
                 return  # (room made among its own, or refused: the total did not grow)
             if len(self._server.connections) > self._max:
-                self._make_room(handler, transport, self._server.connections)
+                self._make_room(handler, transport, self._server.connections, may_defer=True)
 
         def connection_lost(handler: RequestHandler, exc: BaseException | None = None
                             ) -> None:
@@ -351,7 +351,7 @@ class ConnectionGuard:
         return True
 
     def _make_room(self, handler: RequestHandler, transport: asyncio.Transport,
-                   among: Iterable[RequestHandler], *, deferred: bool = False) -> None:
+                   among: Iterable[RequestHandler], *, may_defer: bool = False) -> None:
         connections = self._server.connections
         self._closing.intersection_update(connections)  # (those closed are gone from it)
         others = [other for other in among  # oldest first
@@ -360,17 +360,17 @@ class ConnectionGuard:
         waiting = next((other for other in others if _waiting_for_a_request(other)), None)
         if fresh is not None:  # no request yet: a slowloris, or a client about to send
             self._evict(fresh)
-        elif self._cut_bodies and not deferred and waiting is not None and \
-                _arriving(others) is None and any(map(_starting, others)):
-            # A request taken from its queue whose task has not run yet is in no list a
-            # body can be found in: decide on the next turn, when it is, rather than evict
-            # the idle client (under load many connections are in that turn at once).
-            asyncio.get_running_loop().call_soon(self._room_later, handler, transport)
         elif self._cut_bodies and (body := _arriving(others)) is not None:
             # (its connection closes once the 408 is sent)
             body.set_exception(RequestTimeout("the request body was cut: it was still "
                                               "arriving when a new connection needed its place"))
             self.counters["bodies_evicted"] += 1
+        elif self._cut_bodies and may_defer and waiting is not None and \
+                any(map(_starting, others)):
+            # A request taken from its queue whose task has not run yet is in no list a
+            # body can be found in: decide on the next turn, when it is, rather than evict
+            # the idle client (under load many connections are in that turn at once).
+            asyncio.get_running_loop().call_soon(self._room_later, handler, transport)
         elif waiting is not None:  # an established client, idle between requests: last
             self._evict(waiting)
         else:
@@ -379,7 +379,7 @@ class ConnectionGuard:
     def _room_later(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         connections = self._server.connections
         if handler in connections and len(connections) > self._max:
-            self._make_room(handler, transport, connections, deferred=True)
+            self._make_room(handler, transport, connections)
 
     def _evict(self, other: RequestHandler) -> None:
         # On the next turn of the loop: a connection accepted in the same turn has not
