@@ -95,10 +95,6 @@ def _stream_of(frame: Frame) -> Stream:
     return APIS[frame.delivery.api].stream(frame)
 
 
-def _whole_stream(frame: Frame, output: Output) -> bytes:
-    return replay(APIS[frame.delivery.api].stream(frame), output)
-
-
 def _repeat_hit(repeat: Repeat, ids: ResponseIds) -> Rendered:
     """A repeat of a request whose HIT is remembered: the same answer, nothing re-derived."""
     now = time.time()
@@ -145,7 +141,7 @@ def _hit_template(templates: HitTemplates, hit: Stored) -> Template:
     frame = _frame(parsed, hit.fingerprint, hit.key, ID_MARK, CREATED_MARK, cached=True)
     if parsed.delivery.stream:
         def draw() -> Template:
-            return Template(_whole_stream(frame, record.output), SSE)
+            return Template(replay(_stream_of(frame), record.output), SSE)
     else:
         def draw() -> Template:
             return Template(orjson.dumps(_body_of(frame, record.output)), JSON)
