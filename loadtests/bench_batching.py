@@ -3,6 +3,7 @@ mlx_lm.server's own batching, in one run.
 
     python loadtests/bench_batching.py              # Llama 1024x8 under OpenBLAS
     python loadtests/bench_batching.py --smoke      # small and quick
+    OPENBLAS_NUM_THREADS=1 python loadtests/bench_batching.py --slots 1,8   # the README's setting
 
 A random-weight Llama runs under OpenBLAS (`LD_PRELOAD`, the batch-variant runtime and much
 faster than the wheel's BLAS) in a cacheproxy per S (in-process runner, memory store) and in
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -171,7 +173,9 @@ def main(args: argparse.Namespace) -> int:
                 print(f"{name} C={c}: {point.tokens_per_s} tokens/s, p50 {point.p50_ms} ms, "
                       f"p99 {point.p99_ms} ms", file=sys.stderr)
             server.kill()
-    title = f"Llama {hidden}x{layers}, {args.max_tokens} tokens/miss, OpenBLAS"
+    threads = os.environ.get("OPENBLAS_NUM_THREADS", "default")
+    title = (f"Llama {hidden}x{layers}, {args.max_tokens} tokens/miss, OpenBLAS "
+             f"(OPENBLAS_NUM_THREADS={threads})")
     text = _render(points, out, title)
     summary = _summary(points)
     report = f"# Pinned-shape batching\n\n{runtime_line()}\n\n{title}\n\n{text}\n\n{summary}\n"

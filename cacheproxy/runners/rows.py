@@ -150,3 +150,54 @@ def check(model: Any, slots: int) -> None:
             raise UnsupportedModel(f"invalid value for setting '{SETTING}': {slots}: this "
                                    "model's rows decode otherwise in a batch than alone; "
                                    "serve it with --decode-slots 1")
+    pinned(model, slots)
+
+
+PROBE = (3, 1, 4, 1, 5, 9, 2, 6)  # a prompt every row of the probe's first step holds
+
+
+def pinned(model: Any, slots: int) -> None:
+    """Refuse (`UnsupportedModel`, naming the setting) an S at which, on this runtime, a
+    row's bits depend on the row it is in or on what the other rows hold. The pinned shape
+    only makes the matrix products' shapes fixed; how a BLAS treats the rows of one shape
+    is its own (measured: OpenBLAS on one thread gives a 16-row product other bits in some
+    rows than in row 0, on two threads it does not, at 8 rows neither does). Two steps of S
+    rows: every row holding the same prompt must come out bit-equal to row 0, and row 0
+    must keep those bits when the other rows hold other prompts."""
+    import mlx.core as mx
+
+    same = _step(model, [list(PROBE)] * slots)
+    moved = [i for i in range(1, slots) if not mx.array_equal(same[i], same[0]).item()]
+    if moved:
+        raise UnsupportedModel(
+            f"invalid value for setting '{SETTING}': {slots}: on this runtime a row of a "
+            f"{slots}-row decode step gets other bits in row {moved[0]} than in row 0 (the "
+            "BLAS treats the rows of this shape apart), so an answer would depend on the row "
+            "it lands in; choose another --decode-slots (8 is often invariant) or another "
+            "BLAS thread count, or serve with --decode-slots 1")
+    others = [list(PROBE)] + [[7 + i, 3, 11 + 2 * i][: 1 + i % 3] + [2] * (i % 5)
+                              for i in range(1, slots)]
+    beside = _step(model, others)
+    if not mx.array_equal(beside[0], same[0]).item():
+        raise UnsupportedModel(
+            f"invalid value for setting '{SETTING}': {slots}: on this runtime a row of a "
+            f"{slots}-row decode step gets other bits beside other rows, so an answer would "
+            "depend on its neighbours; serve with --decode-slots 1")
+
+
+def _step(model: Any, prompts: Sequence[Sequence[int]]) -> Any:
+    """The logits of one pinned decode step, row i continuing ``prompts[i]`` (each prefilled
+    alone, its last token fed to the step)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = []
+    for ids in prompts:
+        cache = make_prompt_cache(model)
+        if len(ids) > 1:
+            model(mx.array(list(ids[:-1]))[None], cache=cache)
+        caches.append(cache)
+    layers = [RowsCache([c[n] for c in caches]) for n in range(len(caches[0]))]
+    logits = model(mx.array([[ids[-1]] for ids in prompts]), cache=layers)[:, -1]
+    mx.eval(logits)
+    return logits

@@ -7,6 +7,9 @@ row of the batch's logits: its own logits processors (penalties, logit bias, the
 see its own token history, its own sampler draws from its own key, its own detokenizer and
 assembler turn the token into chunks. Nothing of it is shared with another slot but the
 model.
+
+Two threads use a slot, one after the other: the lane's prefill thread until ``decoding``
+is set (or ``failure``), then the lane thread.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ class Slot:
         self.plan = plan
         self.generation = plan.generation
         self.cache: list[Any] = make_prompt_cache(plan.model)
-        self.decoding = False  # its prefill is done: it takes a row in the decode steps
+        self.decoding = False  # its prefill is done (set on the prefill thread)
+        self.joined = False  # it takes its row in the decode steps (set on the lane thread)
         self.next_input = plan.ids[-1]  # the token its row feeds the next decode step
         self._sampler = decoding.KeyedSampler(plan.request)
         self._trail = margins.Trail()
@@ -59,22 +63,19 @@ class Slot:
         self._chunks: list[Chunk] = []
         self._count = 0
         self._finish = "length"
+        self.failure: Exception | None = None  # what ended its prefill, if it failed
         self._prefill = self._prefilling()
-        self.next_chunk = 0  # prompt tokens its next prefill chunk runs
-        self._advance()  # to its first chunk (a prompt of one token has none: decoding)
 
     def prefill_chunk(self) -> None:
-        """Run the next chunk of its prefill; it is decoding once that was the last."""
+        """Run its prefill up to the next chunk (the first call finds the saved prefix; a
+        prompt of one token has no chunk); it is decoding once nothing is left."""
         if self.generation.cancelled:
             self._finish, self.decoding = "cancelled", True
             return
-        self._advance()
-
-    def _advance(self) -> None:
         try:
-            self.next_chunk = next(self._prefill)
+            next(self._prefill)
         except StopIteration:
-            self.next_chunk, self.decoding = 0, True
+            self.decoding = True
 
     def _prefilling(self) -> Generator[int, None, None]:
         import mlx.core as mx

@@ -1,16 +1,25 @@
-"""The lane of `--decode-slots S`: one thread owns the model and runs continuous batching
-at a pinned shape.
+"""The lane of `--decode-slots S`: continuous batching at a pinned shape, on two threads
+that share the model.
 
-Order of operations, one turn of the loop:
+The lane thread, one turn of its loop:
 1. run a lane call (a load, a reload) if one waits and no slot is in use; while one waits,
    nothing new is admitted, so the slots drain and a batch never mixes two models;
-2. admit waiting generations into free slots (the runner plans each: prompt, checks);
-3. run prefill chunks (each at batch one, in the pinned step) of the slots still prefilling,
-   oldest first, up to one step's worth of prompt tokens per turn: a long prompt never stalls
-   the others for more than a chunk, and short ones all start together;
-4. one decode step of every slot past its prefill: one forward of S rows (free rows hold a
-   fixed dummy token), attention per row (`rows`), each row sampled by its own slot; a
-   slot that ends frees its row for the next turn.
+2. admit waiting generations into free slots (the runner plans each: prompt, checks) and
+   hand them to the prefill thread;
+3. settle the slots the prefill thread is done with: a failed prefill fails its generation,
+   one with nothing to make (cancelled meanwhile, no tokens asked) ends, the others join the
+   decode batch;
+4. one decode step of every slot that joined: one forward of S rows (free rows hold a fixed
+   dummy token), attention per row (`rows`), each row sampled by its own slot; a slot that
+   ends frees its row for the next turn.
+
+The prefill thread runs the prefills of admitted slots (each at batch one in the pinned
+prefill step, one chunk at a time, oldest slot first) while the lane thread decodes: a
+prompt, however long, never holds up the decode steps of the others, and on a runtime whose
+matrix products run on one thread each (OpenBLAS with ``OPENBLAS_NUM_THREADS=1``) a prefill
+and a decode step run on two cores at once. A row's bits do not depend on this: every
+prefill chunk and every decode step is the same computation whichever thread runs it, and
+a slot joins the batch only once its whole prefill is evaluated.
 """
 
 from __future__ import annotations
@@ -93,7 +102,10 @@ class SlotLane:
         self._steps: deque[tuple[float, int]] = deque()  # (time, rows in use) per step
         self.decode_steps = 0
         self._thread = threading.Thread(target=self._loop, name="mlx-lane", daemon=True)
+        self._prefiller = threading.Thread(target=self._prefill_loop, name="mlx-prefill",
+                                           daemon=True)
         self._thread.start()
+        self._prefiller.start()
 
     # -- the event loop's side ------------------------------------------------------------
 
@@ -109,14 +121,14 @@ class SlotLane:
             if self._closed:
                 raise Overloaded("the runner is shutting down", retry_after=1.0)
             self._waiting.append(Job(request, generation))
-            self._cv.notify()
+            self._cv.notify_all()
 
     def call(self, fn: Callable[[], Any]) -> Future[Any]:
         """Run ``fn`` on the lane thread once every slot is free (none is admitted before)."""
         future: Future[Any] = Future()
         with self._cv:
             self._calls.append((fn, future))
-            self._cv.notify()
+            self._cv.notify_all()
         return future
 
     def state(self) -> dict[str, float | int]:
@@ -139,14 +151,15 @@ class SlotLane:
         with self._cv:
             self._closed = True
             waiting, self._waiting = list(self._waiting), deque()
-            self._cv.notify()
+            self._cv.notify_all()
         for job in waiting:
             job.generation.push(failure(Overloaded("the runner is shutting down",
                                                    retry_after=1.0)))
 
     def join(self) -> None:
-        """Wait for the lane thread to end (after `close`)."""
+        """Wait for the lane's threads to end (after `close`)."""
         self._thread.join()
+        self._prefiller.join()
 
     # -- the lane thread ------------------------------------------------------------------
 
@@ -156,21 +169,55 @@ class SlotLane:
                 while not self._has_work():
                     self._cv.wait()
                 if self._closed and not self._admitted and not self._calls:
+                    self._cv.notify_all()  # (the prefill thread ends too)
                     return
                 call = self._calls.popleft() if self._calls and not self._admitted else None
                 jobs = self._admit() if call is None and not self._calls else []
+                ready = [s for s in self._admitted if not s.joined and
+                         (s.decoding or s.failure is not None)]
             if call is not None:
                 self._run_call(*call)
                 continue
             for row, job in jobs:
                 self._start(row, job)
-            self._prefill()
+            self._settle(ready)
             self._decode()
 
     def _has_work(self) -> bool:
-        free = any(r is None for r in self._rows)
-        return self._closed or bool(self._admitted) or bool(self._calls) or \
-            (bool(self._waiting) and free)
+        """Whether the lane thread has something to do now (else it waits for a change)."""
+        if any(s.joined or s.decoding or s.failure is not None for s in self._admitted):
+            return True  # a step to decode, or a slot to settle
+        if self._closed or self._calls:  # (nothing is admitted meanwhile)
+            return not self._admitted  # to end, or to run the call, once the slots drained
+        return bool(self._waiting) and any(r is None for r in self._rows)
+
+    def _settle(self, ready: list[Slot]) -> None:
+        for slot in ready:
+            if slot.failure is not None:
+                self._fail([slot], slot.failure)
+            elif slot.ended:
+                self._end(slot)
+            else:
+                slot.joined = True
+
+    def _prefill_loop(self) -> None:
+        """The prefill thread: one chunk at a time of the oldest slot still prefilling."""
+        while True:
+            with self._cv:
+                while (slot := self._to_prefill()) is None:
+                    if self._closed and not self._admitted:
+                        return
+                    self._cv.wait()
+            try:
+                slot.prefill_chunk()
+            except Exception as exc:  # its generation fails (on the lane thread)
+                slot.failure = exc
+            if slot.decoding or slot.failure is not None:
+                with self._cv:
+                    self._cv.notify_all()
+
+    def _to_prefill(self) -> Slot | None:
+        return next((s for s in self._admitted if not s.decoding and s.failure is None), None)
 
     def _admit(self) -> list[tuple[int, Job]]:
         jobs: list[tuple[int, Job]] = []
@@ -202,29 +249,15 @@ class SlotLane:
             if slot is not None:
                 self._rows[row] = slot
                 self._admitted.append(slot)
+                self._cv.notify_all()  # (the prefill thread takes it)
         if error is not None:
             job.generation.push(failure(error))
-
-    def _prefill(self) -> None:
-        budget: int | None = None  # prompt tokens left this turn (the first chunk always runs)
-        for slot in [s for s in self._admitted if not s.decoding]:
-            while not slot.decoding and (budget is None or slot.next_chunk <= budget):
-                budget = (slot.plan.step if budget is None else budget) - slot.next_chunk
-                try:
-                    slot.prefill_chunk()
-                except Exception as exc:
-                    self._fail([slot], exc)
-                    break
-            if slot.decoding and slot.ended and slot in self._admitted:
-                self._end(slot)
-            if budget is not None and budget <= 0:
-                return
 
     def _decode(self) -> None:
         import mlx.core as mx
         from mlx_lm.generate import generation_stream
 
-        rows = [s if s is not None and s.decoding else None for s in self._rows]
+        rows = [s if s is not None and s.joined else None for s in self._rows]
         active = [s for s in rows if s is not None]
         if not active:
             return

@@ -30,7 +30,10 @@ from cacheproxy.runners.demo.model import random_model
 from tests.conftest import free_port
 from tests.harness.processes import openblas_env, serving
 
-SLOTS = 16  # on AMD EPYC, OpenBLAS changes a row's bits from M = 13 rows: S must reach it
+SLOTS = 8
+THREADS = {"OPENBLAS_NUM_THREADS": "1"}  # the setting the README gives for --decode-slots:
+# one BLAS thread, a prefill and a decode step on two cores at once (on one thread OpenBLAS
+# changes a row's bits from M = 1 to M >= 3 rows here: the control's batches cross that)
 STEP = 32
 WORDS = ("fox", "owl", "bear", "hare", "seal", "wolf", "crane", "deer", "frog", "duck",
          "horse", "goat", "sheep", "eagle", "bee", "mouse")
@@ -118,6 +121,18 @@ async def _busy(url: str, *, stagger: float = 0.0, leaver: bool = False
         return list(answers)
 
 
+def _first_difference(got: Any, want: Any, path: str = "") -> str:
+    if isinstance(got, dict) and isinstance(want, dict):
+        for k in want:
+            if got.get(k) != want[k]:
+                return _first_difference(got.get(k), want[k], f"{path}.{k}")
+    if isinstance(got, list) and isinstance(want, list) and len(got) == len(want):
+        for n, (a, b) in enumerate(zip(got, want)):
+            if a != b:
+                return _first_difference(a, b, f"{path}[{n}]")
+    return f"{path}: {str(got)[:200]} != {str(want)[:200]}"
+
+
 def _lane(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url + "/health", timeout=5) as resp:
         return dict(json.loads(resp.read())["lane"])
@@ -179,7 +194,7 @@ def variant_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_busy_pinned_batch_answers_every_request_as_it_answers_it_alone(
         variant_model: Path, tmp_path: Path) -> None:
-    env = openblas_env()
+    env = {**openblas_env(), **THREADS}
     args = ("--model", str(variant_model), "--model-id", "m", "--prefill-step", str(STEP),
             "--decode-slots", str(SLOTS), "--sampling", "seeded", "--no-watch")
     with serving(*args, "--store", "memory://", env=env) as url:
@@ -204,7 +219,7 @@ def test_a_busy_pinned_batch_answers_every_request_as_it_answers_it_alone(
     for name, run in (("at once", at_once), ("staggered", staggered),
                       ("beside a leaver", beside_a_leaver)):
         for i, (got, want) in enumerate(zip(run, alone, strict=True)):
-            assert got == want, f"request {i} sent {name} differs from its answer alone"
+            assert got == want, f"request {i} sent {name} differs from its answer alone: {_first_difference(got, want)}"
 
     # verify replays every stored answer (each alone in the batch; the leaver's fill went on
     # without its client, as a fill does): all exact.
@@ -222,3 +237,18 @@ def test_a_busy_pinned_batch_answers_every_request_as_it_answers_it_alone(
               if got != want]
     assert differ, "unpinned batching matched too: this runtime cannot tell the difference"
     print(f"control: {len(differ)} of {len(alone)} answers differ at M = the rows in use")
+
+
+def test_a_slot_count_whose_rows_move_on_this_runtime_is_refused_at_start_up(
+        variant_model: Path) -> None:
+    """On one OpenBLAS thread a 16-row product gives some rows other bits than row 0 (8 rows
+    do not: the test above serves S = 8 there): `serve` refuses S = 16 at start-up, naming
+    the setting, rather than serve answers that depend on the row they land in."""
+    out = subprocess.run([sys.executable, "-m", "cacheproxy", "serve", "--model",
+                          str(variant_model), "--model-id", "m", "--decode-slots", "16",
+                          "--store", "memory://", "--port", str(free_port()), "--no-watch"],
+                         env={**openblas_env(), **THREADS}, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "invalid value for setting 'decode_slots': 16" in out.stderr
+    assert "gets other bits in row" in out.stderr
