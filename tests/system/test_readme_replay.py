@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+# The example's own pytest loads no plugin it does not use (this environment's hypothesis and
+# langsmith plugins cost ~3 s of start-up per run; a user's project has its own set).
+QUIET_PYTEST = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
 
 
 def test_the_readme_pytest_example_records_then_replays(tmp_path: Path) -> None:
@@ -23,7 +26,7 @@ def test_the_readme_pytest_example_records_then_replays(tmp_path: Path) -> None:
     def pytest_run(**extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=300, env={**env, **extra})
+                              timeout=300, env={**env, **extra, **QUIET_PYTEST})
 
     recorded = pytest_run(RECORD="1")
     assert recorded.returncode == 0, recorded.stdout + recorded.stderr
