@@ -46,7 +46,11 @@ class RowsCache:
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         """Write each row's new keys and values into its slot's cache; the attention of this
         layer reads them back per row (what is returned is only passed on to it)."""
-        self._fetched = [None if c is None else c.update_and_fetch(keys[i:i + 1], values[i:i + 1])
+        import mlx.core as mx
+
+        n = len(self.rows)  # (one split of each, not a slice per row: fewer ops per step)
+        rows_keys, rows_values = mx.split(keys, n, axis=0), mx.split(values, n, axis=0)
+        self._fetched = [None if c is None else c.update_and_fetch(rows_keys[i], rows_values[i])
                          for i, c in enumerate(self.rows)]
         return keys, values
 
@@ -62,15 +66,19 @@ class RowsCache:
 
         self.attended += 1
         _, heads, length, _ = queries.shape
+        rows_queries = mx.split(mx.contiguous(queries), len(self._fetched), axis=0)
+        free = None  # one zero row serves every free row
         out = []
         for i, kv in enumerate(self._fetched):
             if kv is None:
-                out.append(mx.zeros((1, heads, length, kv_dim(self._fetched)), queries.dtype))
+                if free is None:
+                    free = mx.zeros((1, heads, length, kv_dim(self._fetched)), queries.dtype)
+                out.append(free)
                 continue
             keys, values = kv
             extra = {} if sinks is None else {"sinks": sinks}
             out.append(mx.fast.scaled_dot_product_attention(
-                mx.contiguous(queries[i:i + 1]), keys, values, scale=scale, mask=None, **extra))
+                rows_queries[i], keys, values, scale=scale, mask=None, **extra))
         return mx.concatenate(out, axis=0)
 
 
@@ -175,8 +183,8 @@ def pinned(model: Any, slots: int) -> None:
             "BLAS treats the rows of this shape apart), so an answer would depend on the row "
             "it lands in; choose another --decode-slots (8 is often invariant) or another "
             "BLAS thread count, or serve with --decode-slots 1")
-    others = [list(PROBE)] + [[7 + i, 3, 11 + 2 * i][: 1 + i % 3] + [2] * (i % 5)
-                              for i in range(1, slots)]
+    others = [list(PROBE)] + [[PROBE[(i + j) % len(PROBE)] for j in range(1 + i % 6)]
+                              for i in range(1, slots)]  # other prompts, other lengths
     beside = _step(model, others)
     if not mx.array_equal(beside[0], same[0]).item():
         raise UnsupportedModel(
