@@ -122,12 +122,13 @@ async def _busy(url: str, *, stagger: float = 0.0, leaver: bool = False
 
 
 def _first_difference(got: Any, want: Any, path: str = "") -> str:
+    """Where two answers first differ (a failure names the token and both values)."""
     if isinstance(got, dict) and isinstance(want, dict):
         for k in want:
             if got.get(k) != want[k]:
                 return _first_difference(got.get(k), want[k], f"{path}.{k}")
     if isinstance(got, list) and isinstance(want, list) and len(got) == len(want):
-        for n, (a, b) in enumerate(zip(got, want)):
+        for n, (a, b) in enumerate(zip(got, want, strict=True)):
             if a != b:
                 return _first_difference(a, b, f"{path}[{n}]")
     return f"{path}: {str(got)[:200]} != {str(want)[:200]}"
@@ -219,7 +220,8 @@ def test_a_busy_pinned_batch_answers_every_request_as_it_answers_it_alone(
     for name, run in (("at once", at_once), ("staggered", staggered),
                       ("beside a leaver", beside_a_leaver)):
         for i, (got, want) in enumerate(zip(run, alone, strict=True)):
-            assert got == want, f"request {i} sent {name} differs from its answer alone: {_first_difference(got, want)}"
+            assert got == want, (f"request {i} sent {name} differs from its answer alone: "
+                                 f"{_first_difference(got, want)}")
 
     # verify replays every stored answer (each alone in the batch; the leaver's fill went on
     # without its client, as a fill does): all exact.
