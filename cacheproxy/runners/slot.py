@@ -43,7 +43,7 @@ class SlotPlan:
 
 
 class Slot:
-    """A generation's state between decode steps (used on the lane thread only)."""
+    """A generation's state between decode steps (prefill thread, then lane thread)."""
 
     def __init__(self, plan: SlotPlan) -> None:
         from mlx_lm.models.cache import make_prompt_cache
@@ -96,6 +96,8 @@ class Slot:
                 mx.eval([c.state for c in self.cache])
                 mx.clear_cache()
             rest = rest[n:]
+        with mx.stream(generation_stream):  # (a whole prefix restored and nothing run: its
+            mx.eval([c.state for c in self.cache])  # cache is evaluated on this thread too)
 
     @property
     def ended(self) -> bool:

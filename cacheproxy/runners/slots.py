@@ -205,8 +205,8 @@ class SlotLane:
         while True:
             with self._cv:
                 while (slot := self._to_prefill()) is None:
-                    if self._closed and not self._admitted:
-                        return
+                    if self._closed and not self._admitted and not self._starting:
+                        return  # (a job being planned may still join: wait for it)
                     self._cv.wait()
             try:
                 slot.prefill_chunk()
