@@ -305,7 +305,8 @@ class MlxRunner:
         return chunks, finish, count, count + ended_on_eos
 
     async def aclose(self) -> None:
-        """Stop accepting work and wait for the lane's threads (lane, and prefill at S > 1) to finish.
+        """Stop accepting work and wait for the lane's threads (and the prefill thread at
+        S > 1) to finish.
 
         The thread must be gone before the interpreter exits: MLX aborts the process
         ("terminate called without an active exception") if a thread that used it is still
