@@ -168,8 +168,9 @@ def pinned(model: Any, slots: int) -> None:
     """Refuse (`UnsupportedModel`, naming the setting) an S at which, on this runtime, a
     row's bits depend on the row it is in or on what the other rows hold. The pinned shape
     only makes the matrix products' shapes fixed; how a BLAS treats the rows of one shape
-    is its own (measured: OpenBLAS on one thread gives a 16-row product other bits in some
-    rows than in row 0, on two threads it does not, at 8 rows neither does). Two steps of S
+    is its own, and the CPU's (measured on one EPYC: OpenBLAS on one thread gave a 16-row
+    product other bits in some rows than in row 0, on two threads it did not, at 8 rows
+    neither did; on another EPYC no row moved at any count). Two steps of S
     rows: every row holding the same prompt must come out bit-equal to row 0, and row 0
     must keep those bits when the other rows hold other prompts."""
     import mlx.core as mx

@@ -240,17 +240,3 @@ def test_a_busy_pinned_batch_answers_every_request_as_it_answers_it_alone(
     assert differ, "unpinned batching matched too: this runtime cannot tell the difference"
     print(f"control: {len(differ)} of {len(alone)} answers differ at M = the rows in use")
 
-
-def test_a_slot_count_whose_rows_move_on_this_runtime_is_refused_at_start_up(
-        variant_model: Path) -> None:
-    """On one OpenBLAS thread a 16-row product gives some rows other bits than row 0 (8 rows
-    do not: the test above serves S = 8 there): `serve` refuses S = 16 at start-up, naming
-    the setting, rather than serve answers that depend on the row they land in."""
-    out = subprocess.run([sys.executable, "-m", "cacheproxy", "serve", "--model",
-                          str(variant_model), "--model-id", "m", "--decode-slots", "16",
-                          "--store", "memory://", "--port", str(free_port()), "--no-watch"],
-                         env={**openblas_env(), **THREADS}, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert "invalid value for setting 'decode_slots': 16" in out.stderr
-    assert "gets other bits in row" in out.stderr

@@ -93,3 +93,64 @@ def test_a_model_the_pinned_batch_cannot_serve_is_refused_naming_the_setting(
     with pytest.raises(UnsupportedModel, match="setting 'decode_slots': 4") as refused:
         rows.check(model, 4)
     assert why in str(refused.value)
+
+
+def _llama() -> Any:
+    """A real mlx-lm Llama, tiny and random (its attention goes through the seam)."""
+    from mlx_lm.models import llama
+
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=16))
+    mx.eval(model.parameters())
+    return model
+
+
+class _RowsMove(nn.Module):
+    """That Llama, with the fault a batch-variant BLAS put into a pinned step: in a step of
+    `at` rows or more, rows from `row` on come out one ulp away (OpenBLAS on one thread did
+    this to rows 6+ of a 16-row product on the EPYC of the 2nd session of 2026-12-03), or
+    row 0 moves with what its neighbours hold. This machine's OpenBLAS leaves every row of
+    every M tried alone (1 and 2 threads, hidden 256-1024, M 2-32), so a real part cannot
+    produce the fault here: it is injected, and only into the logits."""
+
+    def __init__(self, *, at: int, row: int | None = None, neighbours: bool = False) -> None:
+        super().__init__()
+        self.inner, self.at, self.row, self.neighbours = _llama(), at, row, neighbours
+        self.layers = self.inner.layers
+
+    def __call__(self, inputs: Any, cache: Any = None) -> Any:
+        logits = self.inner(inputs, cache=cache)
+        rows_in_step = logits.shape[0]
+        if rows_in_step < self.at:
+            return logits
+        nudge = mx.zeros((rows_in_step, 1, 1))
+        if self.row is not None:
+            nudge = mx.where(mx.arange(rows_in_step)[:, None, None] >= self.row, 1e-6, 0.0)
+        if self.neighbours:  # row 0 gets a trace of the other rows' tokens
+            nudge = nudge + 1e-6 * mx.sum(inputs[1:]).astype(mx.float32)
+        return logits + nudge
+
+    def make_cache(self) -> list[Any]:
+        return self.inner.make_cache()
+
+
+def test_a_slot_count_whose_rows_move_on_this_runtime_is_refused_naming_the_row() -> None:
+    rows.check(_RowsMove(at=13, row=6), 8)  # below the shape that moves: served
+    with pytest.raises(UnsupportedModel, match="setting 'decode_slots': 16") as refused:
+        rows.check(_RowsMove(at=13, row=6), 16)
+    assert "a row of a 16-row decode step gets other bits in row 6 than in row 0" in str(
+        refused.value)
+    assert "--decode-slots 1" in str(refused.value)
+
+
+def test_a_slot_count_whose_rows_move_with_their_neighbours_is_refused() -> None:
+    with pytest.raises(UnsupportedModel, match="setting 'decode_slots': 4") as refused:
+        rows.check(_RowsMove(at=4, neighbours=True), 4)
+    assert "gets other bits beside other rows" in str(refused.value)
+
+
+def test_the_probe_serves_a_real_model_at_every_slot_count_on_this_runtime() -> None:
+    for slots in (2, 8, 16):
+        rows.check(_llama(), slots)
