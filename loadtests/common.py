@@ -83,11 +83,13 @@ def cacheproxy_cmd() -> list[str]:
 
 
 def demo_model(work: Path) -> Path:
-    """A copy of the bundled demo model in work/model (what mlx_lm.server serves)."""
+    """A copy of the bundled demo model in work/model (what mlx_lm.server serves), written
+    as `cacheproxy demo-model --out` writes it, without an interpreter that imports mlx."""
+    from cacheproxy.runners.demo.model import write_copy
+
     out = work / "model"
     if not out.exists():
-        subprocess.run([*cacheproxy_cmd(), "demo-model", "--out", str(out)], check=True,
-                       capture_output=True, timeout=60)
+        write_copy(out)
     return out
 
 

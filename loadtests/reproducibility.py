@@ -208,12 +208,12 @@ def run_blas(args: argparse.Namespace, work: Path, blas: str) -> list[Result]:
     with children() as procs:
         model_dir = demo_model(work)
         upstream = start_upstream(procs, work, model_dir, blas=blas)
-        for config in CONFIGS:
+        for config in args.configs:
             t0 = time.monotonic()
             got = asyncio.run(measure(upstream.url + PATH, "default_model", config, prompts,
                                       args.repeats, args.max_tokens, True))
             results.append(cell(blas, config, "direct", t0, got, True))
-        for config in CONFIGS:  # a fresh proxy (empty store) per configuration
+        for config in args.configs:  # a fresh proxy (empty store) per configuration
             proxy = start_proxy(procs, work, "--upstream", upstream.url, "--model-dir",
                                 str(model_dir), "--model-id", "demo", "--store", "memory://",
                                 "--sampling", PROXY_SAMPLING, "--queue-size", "1024")
@@ -229,7 +229,7 @@ def markdown(results: list[Result], args: argparse.Namespace) -> str:
     by = {(r.blas, r.config, r.path): r for r in results}
     rows = []
     for blas in args.blas:
-        for config in CONFIGS:
+        for config in args.configs:
             d, p = by[(blas, config, "direct")], by[(blas, config, "proxy")]
             rows.append([blas, config, f"{d.text_rate:.3f}", f"{d.logprob_rate:.3f}",
                          f"{d.prompts_all_same}/{d.prompts}", f"{p.text_rate:.3f}",
@@ -256,7 +256,7 @@ def kinds_text(res: Result) -> str:
 def plot(results: list[Result], args: argparse.Namespace) -> Path:
     fig, axes = figure(1, len(args.blas), (6 * len(args.blas), 4))
     for ax, blas in zip(axes[0], args.blas, strict=True):
-        names = list(CONFIGS)
+        names = args.configs
         xs = range(len(names))
         for k, (path, key, label) in enumerate([("direct", "text_rate", "direct text"),
                                                  ("direct", "logprob_rate", "direct logprobs"),
@@ -292,9 +292,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=100)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="comma-separated configurations (default: all four)")
     p.add_argument("--smoke", action="store_true", help="4 prompts x 3 repeats")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the PNG and JSON")
     args = p.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if not args.configs or set(args.configs) - set(CONFIGS):
+        p.error(f"--configs: a comma-separated choice of {', '.join(CONFIGS)}")
     if args.smoke:
         args.prompts, args.repeats = 4, 3
     args.blas = [b.strip() for b in args.blas.split(",") if b.strip()]
