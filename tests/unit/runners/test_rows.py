@@ -107,6 +107,23 @@ def _llama() -> Any:
     return model
 
 
+class _NaNs(nn.Module):
+    """That Llama with one logit NaN in every row, alone or batched (a broken checkpoint: its
+    rows still do not move)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _llama()
+        self.layers = self.inner.layers
+
+    def __call__(self, inputs: Any, cache: Any = None) -> Any:
+        logits = self.inner(inputs, cache=cache)
+        return mx.where(mx.arange(logits.shape[-1]) == 3, float("nan"), logits)
+
+    def make_cache(self) -> list[Any]:
+        return self.inner.make_cache()
+
+
 class _RowsMove(nn.Module):
     """That Llama, with the fault a batch-variant BLAS put into a pinned step: in a step of
     `at` rows or more, rows from `row` on come out one ulp away (OpenBLAS on one thread did
@@ -154,3 +171,7 @@ def test_a_slot_count_whose_rows_move_with_their_neighbours_is_refused() -> None
 def test_the_probe_serves_a_real_model_at_every_slot_count_on_this_runtime() -> None:
     for slots in (2, 8, 16):
         rows.check(_llama(), slots)
+
+
+def test_a_nan_logit_is_not_taken_for_a_row_that_moves() -> None:
+    rows.check(_NaNs(), 8)  # (compared without equal_nan, NaN != NaN refused it as moving)
