@@ -2,7 +2,7 @@
 
 An experiment, not a test. On 127.0.0.1 it starts a batching `python -m mlx_lm.server` on a
 copy of the demo model (under the chosen BLAS) and sends N fixed prompts (questions about the
-demo model's animals), each repeated R times, under four configurations:
+demo model's animals), each repeated R times, under four configurations (`--configs` picks some):
 
   t0.7 unseeded      temperature 0.7, no seed, one request at a time
   t0.7 seed          temperature 0.7, seed 1234, one request at a time
@@ -24,6 +24,7 @@ requests are left out of the pairs and counted per cell by kind ("HTTP 503 overl
     python loadtests/reproducibility.py                        # wheel BLAS, 100 x 10
     python loadtests/reproducibility.py --blas wheel,openblas  # both runtimes side by side
     python loadtests/reproducibility.py --smoke --out /tmp/r   # 4 x 3, a few seconds
+    python loadtests/reproducibility.py --configs "t0 sequential,t0 concurrent"  # two of the four
 
 Prints a Markdown table and writes reproducibility.png (and .json) to --out.
 """
@@ -297,7 +298,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="4 prompts x 3 repeats")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the PNG and JSON")
     args = p.parse_args(argv)
-    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    args.configs = list(dict.fromkeys(c.strip() for c in args.configs.split(",") if c.strip()))
     if not args.configs or set(args.configs) - set(CONFIGS):
         p.error(f"--configs: a comma-separated choice of {', '.join(CONFIGS)}")
     if args.smoke:

@@ -240,3 +240,22 @@ def test_a_busy_pinned_batch_answers_every_request_as_it_answers_it_alone(
     assert differ, "unpinned batching matched too: this runtime cannot tell the difference"
     print(f"control: {len(differ)} of {len(alone)} answers differ at M = the rows in use")
 
+
+def test_serve_refuses_a_model_the_pinned_batch_cannot_serve_naming_the_setting(
+        tmp_path: Path) -> None:
+    """End to end, the start-up refusal: a Llama with a sliding-window layer (mlx-lm gives
+    it a RotatingKVCache, which the per-row attention does not serve) makes `serve
+    --decode-slots 4` exit 2 with an error naming the setting, before it listens. (Which S a
+    BLAS's rows move at is the CPU's: that refusal is tested in tests/unit/runners/test_rows.py
+    on a real Llama with the fault injected.)"""
+    model = random_model(tmp_path / "llama-sliding", hidden=128, layers=2, heads=4)
+    config = json.loads((model / "config.json").read_text())
+    config.update(layer_types=["sliding_attention", "full_attention"], sliding_window=64)
+    (model / "config.json").write_text(json.dumps(config))
+    out = subprocess.run([sys.executable, "-m", "cacheproxy", "serve", "--model", str(model),
+                          "--model-id", "m", "--decode-slots", "4", "--store", "memory://",
+                          "--port", str(free_port()), "--no-watch"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "invalid value for setting 'decode_slots': 4" in out.stderr
+    assert "RotatingKVCache) is not mlx-lm's plain KVCache" in out.stderr

@@ -24,7 +24,7 @@ LOADTESTS = Path(__file__).resolve().parents[2] / "loadtests"
 # loadtests/README.md, "What the suite covers").
 SMOKES = {
     "reproducibility": (("--prompts", "2", "--repeats", "2", "--max-tokens", "8",
-                         "--configs", "t0 concurrent"),
+                         "--configs", "t0.7 unseeded,t0 concurrent"),
                         "reproducibility.png", "| t0 concurrent |"),
     "hit_path": (("--smoke",), "hit_path.png", "| tiered |"),
     "workload": (("--distinct", "30", "--rate", "10", "--duration", "1.5", "--bucket", "0.5",
