@@ -305,6 +305,7 @@ class ConnectionGuard:
         self._send_timeout = send_timeout
         self._unread: dict[RequestHandler, tuple[int, float]] = {}  # buffer size, since
         self._closing: set[RequestHandler] = set()  # evicted, closed on the next turn
+        self._arriving_since: dict[StreamReader, float] = {}  # bodies seen arriving, since
         self.counters = counters if counters is not None else {}
         self.counters.update(connections_evicted=0, connections_refused=0, send_timeouts=0,
                              bodies_evicted=0, peer_bound_hits=0)
@@ -354,13 +355,14 @@ class ConnectionGuard:
                    among: Iterable[RequestHandler], *, may_defer: bool = False) -> None:
         connections = self._server.connections
         self._closing.intersection_update(connections)  # (those closed are gone from it)
+        self._note_arriving(connections)
         others = [other for other in among  # oldest first
                   if other is not handler and other not in self._closing]
         fresh = next((other for other in others if _before_a_request(other)), None)
         waiting = next((other for other in others if _waiting_for_a_request(other)), None)
         if fresh is not None:  # no request yet: a slowloris, or a client about to send
             self._evict(fresh)
-        elif self._cut_bodies and (body := _arriving(others)) is not None:
+        elif self._cut_bodies and (body := self._longest_arriving(others)) is not None:
             # (its connection closes once the 408 is sent)
             body.set_exception(RequestTimeout("the request body was cut: it was still "
                                               "arriving when a new connection needed its place"))
@@ -375,6 +377,22 @@ class ConnectionGuard:
             self._evict(waiting)
         else:
             self._refuse(transport)
+
+    def _note_arriving(self, connections: Iterable[RequestHandler]) -> None:
+        """When each body still arriving was first seen arriving (at each making of room,
+        every connection's; only bodies still arriving are remembered)."""
+        now, seen = time.monotonic(), self._arriving_since
+        self._arriving_since = {body: seen.get(body, now) for body in _arriving(connections)}
+
+    def _longest_arriving(self, among: list[RequestHandler]) -> StreamReader | None:
+        """Of the bodies of `among` still arriving, the one seen arriving first (a tie goes
+        to the oldest connection). Not the oldest connection's: an established keep-alive
+        client's body is "arriving" for the moment between its headers and its body (two
+        segments, tens of ms apart under Nagle and delayed ACKs), and was cut before
+        trickles begun long before it (seen in CI: a keep-alive client's 408)."""
+        since = self._arriving_since
+        return min((body for body in _arriving(among) if body in since),
+                   key=since.__getitem__, default=None)
 
     def _room_later(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         connections = self._server.connections
@@ -445,14 +463,13 @@ def _before_a_request(handler: RequestHandler) -> bool:
     return handler._request_count == 0
 
 
-def _arriving(handlers: list[RequestHandler]) -> StreamReader | None:
-    """The oldest body still arriving (and not cut yet) of `handlers`: of a request being
-    handled, or parsed and queued for its handler."""
+def _arriving(handlers: Iterable[RequestHandler]) -> list[StreamReader]:
+    """The bodies still arriving (and not cut yet) of `handlers`, in their order: of a
+    request being handled, or parsed and queued for its handler."""
+    found = []
     for handler in handlers:
         current = handler._current_request
         bodies = [current.content] if current is not None else []
         bodies += [payload for _, payload in handler._messages]
-        for body in bodies:
-            if not body.is_eof() and body.exception() is None:
-                return body
-    return None
+        found += [body for body in bodies if not body.is_eof() and body.exception() is None]
+    return found

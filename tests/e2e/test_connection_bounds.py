@@ -225,6 +225,58 @@ async def test_control_without_the_body_bound_slow_bodies_lock_them_out(
     assert guard.counters["bodies_evicted"] == 0, guard.counters
 
 
+def _a_body_late(port: int) -> tuple[bytes, bytes, int]:
+    """An established client (the oldest connection) whose second request's body comes a
+    moment after its headers, as Nagle and a delayed ACK can hold a second segment, while
+    19 slow bodies hold the other places and a fresh client needs one: (what the
+    established client got, what the fresh client got, slow bodies the server cut)."""
+    body = json.dumps(HIT).encode()
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    established = socket.create_connection(("127.0.0.1", port))
+    established.settimeout(10)
+    slow: list[socket.socket] = []
+    try:
+        established.sendall(head + body)
+        assert established.recv(65536).startswith(b"HTTP/1.1 200")
+        for _ in range(20):  # the 20th is one past the bound: the first trickle is cut
+            slow.append(_slow_body(port))
+            time.sleep(0.05)  # (its headers parsed, its body arriving)
+        established.sendall(head)  # ... and its body in a moment
+        time.sleep(0.3)  # (its handler waits for that body)
+        fresh = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        fresh.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        fresh_answer = fresh.getresponse()
+        got_fresh = f"HTTP/1.1 {fresh_answer.status}".encode()
+        fresh.close()
+        established.sendall(body)
+        got = established.recv(65536)
+        cut = 0
+        for sock in slow:
+            sock.settimeout(0.01)
+            with contextlib.suppress(OSError):
+                cut += sock.recv(64).startswith(b"HTTP/1.1 408")
+        return got, got_fresh, cut
+    finally:
+        established.close()
+        for sock in slow:
+            sock.close()
+
+
+async def test_a_body_still_arriving_is_cut_by_how_long_it_has_been_arriving(
+        make_proxy: ProxyFactory) -> None:
+    """Past the bound the guard cuts the body seen arriving first, not the body of the
+    oldest connection: an established client between its headers and its body is not cut
+    for a trickle begun before it (seen in CI: a keep-alive client's 408 under the slow-body
+    attack; this test failed that way before)."""
+    proxy, keep_alive, guard = await _guarded(make_proxy, with_bodies=True)
+    keep_alive.close()
+    got, fresh, cut = await asyncio.to_thread(_a_body_late, _port(proxy.url))
+    assert got.startswith(b"HTTP/1.1 200"), (got[:200], guard.counters)
+    assert fresh == b"HTTP/1.1 200", (fresh, guard.counters)
+    assert guard.counters["bodies_evicted"] == cut == 2, (cut, guard.counters)
+
+
 def test_send_buffer_bounds_what_the_kernel_holds_for_each_accepted_connection() -> None:
     """`--send-buffer`: every connection the server accepts inherits the listening socket's
     SO_SNDBUF (Linux doubles the value asked, for its bookkeeping); 0 leaves the kernel's
