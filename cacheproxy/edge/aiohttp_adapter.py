@@ -274,9 +274,9 @@ class ConnectionGuard:
     """Bounds on the connections of one aiohttp Server.
 
     - Past `max_connections`, a new connection takes the place of another: the oldest one
-      still waiting for its first request's headers (a slowloris), else the oldest whose
-      request's body is still arriving (a client trickling its body: the body is cut, its
-      request answered 408 and its connection closed), else the oldest idle keep-alive
+      still waiting for its first request's headers (a slowloris), else the body seen
+      arriving longest (a client trickling its body: the body is cut, its request answered
+      408 and its connection closed), else the oldest idle keep-alive
       one; only when every connection is inside a request that is being answered is the
       new one refused (503). So clients that never finish their headers or bodies cannot
       lock the others out, and established clients go last. (`cut_bodies=False`: bodies

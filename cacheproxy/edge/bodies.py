@@ -7,7 +7,7 @@ handler and never comes here. One still arriving is read here, and closed with a
   (a body a byte every 3 s is cut after a second or two, not after the whole timeout);
 - when `max_reading` bodies are already arriving and another starts: the oldest is cut. So
   clients that trickle bodies hold at most that many connections being read; and the
-  connection guard (aiohttp_adapter.ConnectionGuard) cuts the oldest body still arriving
+  connection guard (aiohttp_adapter.ConnectionGuard) cuts the body arriving longest
   to make room for a new connection, before it touches an idle keep-alive client. A cut
   body raises RequestTimeout out of its read (set on its stream).
 """
