@@ -26,7 +26,7 @@ from backends.base import Backend
 from cacheproxy.cli.settings import Settings, UpstreamPool
 from cacheproxy.edge.apis import PARSERS
 from cacheproxy.edge.app import create_app
-from cacheproxy.edge.state import CONNECTIONS, EdgeOptions
+from cacheproxy.edge.state import BODIES, CONNECTIONS, EdgeOptions
 from cacheproxy.keys.budget import SchemaBudget
 from cacheproxy.observe.logs import BatchedLines
 from cacheproxy.runners.base import Runner
@@ -248,7 +248,8 @@ async def _serve(settings: Settings, batched: BatchedLines | None,
     if runner.server is not None:
         guard = ConnectionGuard(runner.server, settings.max_connections,
                                 max_per_peer=settings.max_connections_per_peer,
-                                send_timeout=settings.send_timeout, counters=counters)
+                                send_timeout=settings.send_timeout, counters=counters,
+                                bodies=app[BODIES])
         guard.install()
         watcher = asyncio.create_task(guard.watch())
     # Bound first (a taken port fails before the model loads), listening from now on.

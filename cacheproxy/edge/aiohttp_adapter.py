@@ -46,6 +46,7 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from multidict import CIMultiDict
 
+from cacheproxy.edge.bodies import BodyReads
 from cacheproxy.errors import Overloaded, RequestTimeout
 
 _REASONS = {status.value: status.phrase for status in HTTPStatus}  # (as aiohttp's own)
@@ -274,9 +275,10 @@ class ConnectionGuard:
     """Bounds on the connections of one aiohttp Server.
 
     - Past `max_connections`, a new connection takes the place of another: the oldest one
-      still waiting for its first request's headers (a slowloris), else the body seen
-      arriving longest (a client trickling its body: the body is cut, its request answered
-      408 and its connection closed), else the oldest idle keep-alive
+      still waiting for its first request's headers (a slowloris), else the body that
+      began arriving first (`bodies`, the app's body reads, know the order; a client
+      trickling its body: the body is cut, its request answered 408 and its connection
+      closed), else the oldest idle keep-alive
       one; only when every connection is inside a request that is being answered is the
       new one refused (503). So clients that never finish their headers or bodies cannot
       lock the others out, and established clients go last. (`cut_bodies=False`: bodies
@@ -295,7 +297,8 @@ class ConnectionGuard:
 
     def __init__(self, server: web.Server, max_connections: int, *,
                  max_per_peer: int | None = None, send_timeout: float = 30.0,
-                 counters: dict[str, int] | None = None, cut_bodies: bool = True) -> None:
+                 counters: dict[str, int] | None = None, cut_bodies: bool = True,
+                 bodies: BodyReads | None = None) -> None:
         self._server = server
         self._cut_bodies = cut_bodies
         self._max = max_connections
@@ -305,7 +308,7 @@ class ConnectionGuard:
         self._send_timeout = send_timeout
         self._unread: dict[RequestHandler, tuple[int, float]] = {}  # buffer size, since
         self._closing: set[RequestHandler] = set()  # evicted, closed on the next turn
-        self._arriving_since: dict[StreamReader, float] = {}  # bodies seen arriving, since
+        self._bodies = bodies  # the app's body reads (their order: which began first)
         self.counters = counters if counters is not None else {}
         self.counters.update(connections_evicted=0, connections_refused=0, send_timeouts=0,
                              bodies_evicted=0, peer_bound_hits=0)
@@ -355,7 +358,6 @@ class ConnectionGuard:
                    among: Iterable[RequestHandler], *, may_defer: bool = False) -> None:
         connections = self._server.connections
         self._closing.intersection_update(connections)  # (those closed are gone from it)
-        self._note_arriving(connections)
         others = [other for other in among  # oldest first
                   if other is not handler and other not in self._closing]
         fresh = next((other for other in others if _before_a_request(other)), None)
@@ -378,21 +380,17 @@ class ConnectionGuard:
         else:
             self._refuse(transport)
 
-    def _note_arriving(self, connections: Iterable[RequestHandler]) -> None:
-        """When each body still arriving was first seen arriving (at each making of room,
-        every connection's; only bodies still arriving are remembered)."""
-        now, seen = time.monotonic(), self._arriving_since
-        self._arriving_since = {body: seen.get(body, now) for body in _arriving(connections)}
-
     def _longest_arriving(self, among: list[RequestHandler]) -> StreamReader | None:
-        """Of the bodies of `among` still arriving, the one seen arriving first (a tie goes
-        to the oldest connection). Not the oldest connection's: an established keep-alive
-        client's body is "arriving" for the moment between its headers and its body (two
-        segments, tens of ms apart under Nagle and delayed ACKs), and was cut before
-        trickles begun long before it (seen in CI: a keep-alive client's 408)."""
-        since = self._arriving_since
-        return min((body for body in _arriving(among) if body in since),
-                   key=since.__getitem__, default=None)
+        """Of the bodies of `among` still arriving, the one that began arriving first, as the
+        app's body reads record it (`bodies`); else (none of them read there: parsed and
+        queued for their handlers) the oldest connection's. Not the oldest connection's
+        first: an established keep-alive client's body is "arriving" for the moment between
+        its headers and its body (two segments, tens of ms apart under Nagle and delayed
+        ACKs), and was cut before trickles begun long before it (seen in CI: a keep-alive
+        client's 408)."""
+        if self._bodies is not None and (body := self._bodies.longest(set(among))) is not None:
+            return body
+        return _arriving(among)
 
     def _room_later(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         connections = self._server.connections
@@ -463,13 +461,14 @@ def _before_a_request(handler: RequestHandler) -> bool:
     return handler._request_count == 0
 
 
-def _arriving(handlers: Iterable[RequestHandler]) -> list[StreamReader]:
-    """The bodies still arriving (and not cut yet) of `handlers`, in their order: of a
+def _arriving(handlers: list[RequestHandler]) -> StreamReader | None:
+    """The oldest connection's body still arriving (and not cut yet) of `handlers`: of a
     request being handled, or parsed and queued for its handler."""
-    found = []
     for handler in handlers:
         current = handler._current_request
         bodies = [current.content] if current is not None else []
         bodies += [payload for _, payload in handler._messages]
-        found += [body for body in bodies if not body.is_eof() and body.exception() is None]
-    return found
+        for body in bodies:
+            if not body.is_eof() and body.exception() is None:
+                return body
+    return None

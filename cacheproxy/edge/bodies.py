@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
 from cacheproxy.errors import RequestTimeout
@@ -59,6 +61,15 @@ class BodyReads:
             return await self._read(request)
         finally:
             self._reading.pop(handler, None)
+
+    def longest(self, among: Collection[RequestHandler]) -> StreamReader | None:
+        """Of the bodies being read here for the connections `among`, the one that began
+        arriving first (not cut yet); None when none of them is being read here."""
+        for handler, request in self._reading.items():  # (in the order their reads began)
+            body = request.content
+            if handler in among and not body.is_eof() and body.exception() is None:
+                return body
+        return None
 
     def _cut_oldest(self, why: str) -> None:
         """Cut the body that started arriving first (its read ends in a 408 that closes

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from cacheproxy.edge.aiohttp_adapter import ConnectionGuard
+from cacheproxy.edge.state import BODIES
 from loadtests.faults import disconnect_storm, hostile_against
 from loadtests.hostile_load import schema_flood_against, slow_bodies_against
 from tests.conftest import ProxyFactory
@@ -42,7 +43,7 @@ async def test_slow_bodies_leave_fresh_and_keep_alive_clients_served(
     assert proxy.server is not None and proxy.server.runner is not None
     server = proxy.server.runner.server
     assert server is not None
-    guard = ConnectionGuard(server, 40)  # as serve installs it, at 40 connections
+    guard = ConnectionGuard(server, 40, bodies=proxy.app[BODIES])  # as serve installs it
     guard.install()
     got = await asyncio.to_thread(slow_bodies_against, proxy.url, slow=60, fresh=20,
                                   keep_alive=3, model="cacheproxy-demo")

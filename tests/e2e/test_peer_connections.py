@@ -16,6 +16,7 @@ import time
 import pytest
 
 from cacheproxy.edge.aiohttp_adapter import ConnectionGuard
+from cacheproxy.edge.state import BODIES
 from cacheproxy.runners.demo.model import BUNDLED_MODEL
 from tests.conftest import Proxy, ProxyFactory, eventually
 
@@ -32,7 +33,7 @@ async def _guarded(make_proxy: ProxyFactory, *, per_peer: int | None
     assert proxy.server is not None and proxy.server.runner is not None
     server = proxy.server.runner.server
     assert server is not None
-    guard = ConnectionGuard(server, 20, max_per_peer=per_peer)
+    guard = ConnectionGuard(server, 20, max_per_peer=per_peer, bodies=proxy.app[BODIES])
     guard.install()
     return proxy, guard
 
