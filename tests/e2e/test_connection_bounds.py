@@ -145,6 +145,16 @@ def _slow_body(port: int) -> socket.socket:
     return sock
 
 
+def _answered_408(slow: list[socket.socket], *, within: float) -> int:
+    """How many of the slow-body connections the server answered 408 (their bodies cut)."""
+    cut = 0
+    for sock in slow:
+        sock.settimeout(within)
+        with contextlib.suppress(OSError):
+            cut += sock.recv(64).startswith(b"HTTP/1.1 408")
+    return cut
+
+
 def _lockout(proxy: Proxy, keep_alive: http.client.HTTPConnection) -> tuple[int, int, int]:
     """With 3x --max-connections slow bodies held open: (fresh clients served of 10, the
     keep-alive client's status, slow bodies the server cut)."""
@@ -168,12 +178,7 @@ def _lockout(proxy: Proxy, keep_alive: http.client.HTTPConnection) -> tuple[int,
             again = keep_alive.getresponse().status
         except (ConnectionError, http.client.HTTPException):
             again = 0
-        cut = 0
-        for sock in slow:
-            sock.settimeout(0.01)
-            with contextlib.suppress(OSError):
-                cut += sock.recv(64).startswith(b"HTTP/1.1 408")
-        return served, again, cut
+        return served, again, _answered_408(slow, within=0.01)
     finally:
         for sock in slow:
             sock.close()
@@ -267,12 +272,7 @@ def _a_body_late(proxy: Proxy, guard: ConnectionGuard, slow_count: int
         fresh.close()
         established.sendall(body)
         got = established.recv(65536)
-        cut = 0
-        for sock in slow:
-            sock.settimeout(0.05)
-            with contextlib.suppress(OSError):
-                cut += sock.recv(64).startswith(b"HTTP/1.1 408")
-        return got, fresh_status, cut
+        return got, fresh_status, _answered_408(slow, within=0.05)
     finally:
         established.close()
         for sock in slow:
