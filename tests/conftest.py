@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
+import sys
+
+# Bytecode caches: where PYTHONDONTWRITEBYTECODE is set (some sandboxes and CI images set it),
+# every process the suite starts (~100: serve, the CLI, mlx_lm.server, the load tests, both
+# xdist workers) compiles the project from source again, and pytest rewrites the asserts of
+# ~450 modules again in each worker. Writing them (next to the sources, as Python does by
+# default; .gitignore has __pycache__) measured: collection 17.6 -> 8.3 s a worker, `serve`
+# start-up 2.4 -> 2.0 CPU-s. Done before anything is imported or a worker started.
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    sys.dont_write_bytecode = False
+
+import asyncio
 import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
