@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import SplitResult, parse_qsl, quote, unquote, urlsplit, urlunsplit
 
 import platformdirs
@@ -23,11 +24,15 @@ from backends.base import (
 )
 from backends.disk import DEFAULT_DISK_MAX_BYTES, DiskBackend
 from backends.memory import DEFAULT_MEMORY_MAX_BYTES, MemoryBackend
-from backends.redis import RedisBackend
-from backends.redis_url import SCHEMES as _REDIS_SCHEMES
-from backends.redis_url import open_redis
 from backends.tiered import PREFIX as _TIERED_PREFIX
 from backends.tiered import TieredBackend, open_tiered
+
+if TYPE_CHECKING:
+    from backends.redis import RedisBackend
+
+# The Redis stores load the redis client (~0.1 s of start-up) only when a URL names one: a
+# process on memory:// or disk:// never imports it.
+REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "redis+cluster", "rediss+cluster"})
 
 __all__ = [
     "Backend",
@@ -58,7 +63,9 @@ def open_backend(url: str, *, clock: Clock = time.time) -> Backend:
         directory = _disk_directory(url, parts)
         max_bytes = _max_bytes(url, parts, DEFAULT_DISK_MAX_BYTES)
         return DiskBackend(directory, max_bytes=max_bytes, clock=clock)
-    if parts.scheme in _REDIS_SCHEMES:
+    if parts.scheme in REDIS_SCHEMES:
+        from backends.redis_url import open_redis
+
         return open_redis(url)  # the server keeps time: clock is not needed
     if url.startswith(_TIERED_PREFIX):
         return open_tiered(url, clock=clock, open_l2=lambda inner: open_backend(inner, clock=clock))
@@ -68,6 +75,14 @@ def open_backend(url: str, *, clock: Clock = time.time) -> Backend:
         " unix:///path/redis.sock, redis+cluster://host:port, tiered+<one of those>,"
         " or jsonl:///absolute/cassette.jsonl (a recording)"
     )
+
+
+def __getattr__(name: str) -> type[RedisBackend]:
+    if name == "RedisBackend":  # (imported when asked for: see REDIS_SCHEMES)
+        from backends.redis import RedisBackend
+
+        return RedisBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def redact_url(url: str) -> str:
