@@ -230,10 +230,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--questions", type=int, default=10)
     parser.add_argument("--pause", type=float, default=0.05)
     parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument("--smoke", action="store_true", help="6 s side by side, short leases")
+    parser.add_argument("--smoke", action="store_true", help="3 s side by side, short leases")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.seconds, args.lease_ttl, args.grace, args.questions = 6.0, 0.6, 2.0, 4
+        args.seconds, args.lease_ttl, args.grace, args.questions = 3.0, 0.6, 2.0, 4
     return args
 
 
