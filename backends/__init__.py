@@ -77,12 +77,14 @@ def open_backend(url: str, *, clock: Clock = time.time) -> Backend:
     )
 
 
-def __getattr__(name: str) -> type[RedisBackend]:
-    if name == "RedisBackend":  # (imported when asked for: see REDIS_SCHEMES)
-        from backends.redis import RedisBackend
+if not TYPE_CHECKING:  # (mypy knows RedisBackend from above, and flags any other name)
 
-        return RedisBackend
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def __getattr__(name: str) -> object:
+        if name == "RedisBackend":  # (imported when asked for: see REDIS_SCHEMES)
+            from backends.redis import RedisBackend
+
+            return RedisBackend
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def redact_url(url: str) -> str:

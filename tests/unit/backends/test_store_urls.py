@@ -24,7 +24,7 @@ def test_the_redis_client_is_imported_only_for_a_redis_url() -> None:
     this one has imported redis for other tests."""
     code = (
         "import sys\n"
-        "import cacheproxy.cli.serve\n"
+        "import cacheproxy.cli.main, cacheproxy.cli.serve\n"
         "from backends import open_backend\n"
         "open_backend('memory://'); open_backend('tiered+memory://')\n"
         "assert 'redis' not in sys.modules, 'redis imported'\n"
