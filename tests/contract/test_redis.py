@@ -17,7 +17,7 @@ import redis
 from backends import BackendError, RedisBackend, listing, open_backend
 from backends.redis_keyspace import _PAGE_SCANS, _PURGE_REST, _PURGE_STEP
 from backends.resp import LaneError
-from tests.harness.redis_fixtures import StartServer
+from tests.harness.redis_fixtures import StartServer, together
 from tests.harness.redis_servers import RedisClusterNodes, RedisServer, TlsServer, free_port
 
 
@@ -202,7 +202,7 @@ class TestLoad:
         store = open_redis(shared_store_url + "?max_connections=4")
         keys = [f"load/{i}" for i in range(400)]
         try:
-            await asyncio.gather(*(store.set(k, k.encode()) for k in keys))
+            await together(store.set(k, k.encode()) for k in keys)
             assert await asyncio.gather(*(store.get(k) for k in keys)) == [
                 k.encode() for k in keys
             ]
@@ -214,7 +214,7 @@ class TestLoad:
         store = open_redis(shared_store_url)
         values = {f"big/{i}": os.urandom(5 * 1024 * 1024) for i in range(4)}
         try:
-            await asyncio.gather(*(store.set(k, v) for k, v in values.items()))
+            await together(store.set(k, v) for k, v in values.items())
             got = await asyncio.gather(*(store.get(k) for k in values))
             assert got == list(values.values())
             assert await store.namespace_stats("big") == (
@@ -271,7 +271,7 @@ class TestListing:
         keys = {f"ns/{i:06d}" for i in range(20_000)}
         try:
             for chunk in range(0, len(keys), 2000):
-                await asyncio.gather(*(store.set(k, b"v") for k in sorted(keys)[chunk:][:2000]))
+                await together(store.set(k, b"v") for k in sorted(keys)[chunk:][:2000])
             before = _scans(request)
             page, cursor = await store.scan_page("ns/", limit=1000)
             # The old listing SCANned all 20k keys (20+ SCANs of 1000) and sorted them.
@@ -290,8 +290,8 @@ class TestListing:
     ) -> None:
         store = open_redis(shared_store_url)
         try:
-            await asyncio.gather(*(store.set(f"other/{i}", b"v") for i in range(3000)))
-            await asyncio.gather(*(store.set(f"few/{i}", b"v") for i in range(3)))
+            await together(store.set(f"other/{i}", b"v") for i in range(3000))
+            await together(store.set(f"few/{i}", b"v") for i in range(3))
             before = _scans(request)
             page, cursor = await store.scan_page("few/", limit=10)
             assert _scans(request) - before <= _PAGE_SCANS and cursor  # not the whole keyspace
@@ -304,7 +304,7 @@ class TestListing:
     ) -> None:
         store = open_redis(shared_store_url)
         try:
-            await asyncio.gather(*(store.set(f"old/{i}", b"v") for i in range(640)))
+            await together(store.set(f"old/{i}", b"v") for i in range(640))
             await store.set("new/1", b"v")
             unlinks = _calls(request, "unlink")
             started = time.monotonic()
@@ -402,7 +402,7 @@ class TestGetLane:
     async def test_a_purge_runs_on_a_lane_of_its_own(self, redis_url: str) -> None:
         store = open_redis(redis_url)
         try:
-            await asyncio.gather(*(store.set(f"p/{i}", b"v") for i in range(2000)))
+            await together(store.set(f"p/{i}", b"v") for i in range(2000))
             assert await store.get("p/0") == b"v"  # the GET lane is connected
             purge = asyncio.create_task(store.purge_namespace("p"))
             seen: list[set[str]] = []  # each connection's last command, while it runs

@@ -57,6 +57,7 @@ from backends.disk import DB_FILENAME
 from backends.disk_purger import Purger
 from backends.disk_recency import WRITE_EVERY
 from tests.conftest import eventually
+from tests.harness.redis_fixtures import together
 
 OpenStore = Callable[..., Backend]
 _F = TypeVar("_F", bound=Callable[..., object])
@@ -455,7 +456,7 @@ class TestBackendContract:
 
     async def test_concurrent_writers_all_land(self, kind: Kind, store: Backend) -> None:
         keys = [f"ns/{i}" for i in range(50)]
-        await asyncio.gather(*(store.set(k, k.encode() * 10) for k in keys))
+        await together(store.set(k, k.encode() * 10) for k in keys)
         values = await asyncio.gather(*(store.get(k) for k in keys))
         assert values == [k.encode() * 10 for k in keys]
         await assert_holds(kind, store, 50, sum(len(k) * 11 for k in keys))
@@ -1083,7 +1084,7 @@ async def test_a_purge_awaits_its_pause_between_two_steps_only(
     assert isinstance(store, NamespacePurge)
     try:
         count = 2 * PURGE_BATCH + 1  # three steps of the largest batch any store takes
-        await asyncio.gather(*(store.set(f"ns/{i:05d}", b"x") for i in range(count)))
+        await together(store.set(f"ns/{i:05d}", b"x") for i in range(count))
         await store.set("other/1", b"kept")
         left: list[bool] = []
 
