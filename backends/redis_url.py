@@ -29,7 +29,6 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from backends import REDIS_SCHEMES
 from backends.redis import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_SOCKET_TIMEOUT,
@@ -39,7 +38,6 @@ from backends.redis import (
 from backends.resp import Address, GetLane
 from backends.tracking import ClusterTracking
 
-SCHEMES = REDIS_SCHEMES  # (defined where open_backend dispatches on it without importing redis)
 _TLS_OPTIONS = frozenset(
     {"ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"}
 )
