@@ -779,9 +779,11 @@ class TestDiskBackend:
             await store.set("ns/000000", b"v")
             with contextlib.closing(sqlite3.connect(tmp_path / DB_FILENAME,
                                                     isolation_level=None)) as other:
+                other.execute("BEGIN")  # one transaction (one commit, not 20k)
                 other.executemany("INSERT INTO entries (key, size, expires_at, accessed_at,"
                                   " value) VALUES (?, 1, NULL, 0, x'00')",
                                   [(f"ns/{i:06d}",) for i in range(1, 20_000)])
+                other.execute("COMMIT")
             steps = [0]
 
             def counted() -> int:

@@ -5,11 +5,12 @@ The property only shows where a row's bits depend on the batch's row count: the 
 under Debian's OpenBLAS (`LD_PRELOAD`), with a random-weight Llama of hidden 512 and MLP
 1408 (shapes whose `x @ W.T` rows change bits with M there). Sixteen requests (other prompt
 lengths and max_tokens, a seeded sample, a json_schema answer, a forced tool call,
-logit_bias, a stop sequence, penalties, logprobs with top alternatives) are sent alone, one
-after another, to a fresh server; then to another server all at once, staggered (joining
-and leaving mid-decode), and beside a client that leaves mid-stream: every answer equal.
-The control decodes the same batch at M = the rows in use instead of S: some answer
-differs, so the test can fail on this runtime. `cacheproxy verify` replays the store: 100 %.
+logit_bias, a stop sequence, penalties, logprobs with top alternatives) are sent to a
+server all at once, staggered (joining and leaving mid-decode), and beside a client that
+leaves mid-stream: every answer equal in the three runs. Alone: `cacheproxy verify` replays
+the stored answers on a fresh runner at the same S, one request at a time (each alone in
+the batch), logprobs included: 100 %. The control decodes the same batch at M = the rows in
+use instead of S: some answer differs, so the test can fail on this runtime.
 """
 
 from __future__ import annotations
@@ -103,11 +104,6 @@ async def _leave_mid_stream(session: aiohttp.ClientSession, url: str) -> int:
     return read
 
 
-async def _alone(url: str) -> list[dict[str, Any]]:
-    async with aiohttp.ClientSession() as session:
-        return [await _send(session, url, body) for body in _bodies()]
-
-
 async def _busy(url: str, *, stagger: float = 0.0, leaver: bool = False
                 ) -> list[dict[str, Any]]:
     async with aiohttp.ClientSession() as session:
@@ -198,14 +194,6 @@ def test_a_busy_pinned_batch_answers_every_request_as_it_answers_it_alone(
     env = {**openblas_env(), **THREADS}
     args = ("--model", str(variant_model), "--model-id", "m", "--prefill-step", str(STEP),
             "--decode-slots", str(SLOTS), "--sampling", "seeded", "--no-watch")
-    with serving(*args, "--store", "memory://", env=env) as url:
-        alone = asyncio.run(_alone(url))
-    assert sum(a["finish_reason"] == "length" for a in alone) >= 8
-    # The forced call is held to its grammar (a random model's city never ends: cut at
-    # max_tokens, the call stays text).
-    assert '"name": "get_weather", "arguments":{"city": "' in alone[3]["message"]["content"]
-    assert all(a["logprobs"]["content"] for a in alone)
-
     store = f"disk://{tmp_path / 'store'}"
     with serving(*args, "--store", store, env=env) as url:
         at_once = asyncio.run(_busy(url))
@@ -217,28 +205,34 @@ def test_a_busy_pinned_batch_answers_every_request_as_it_answers_it_alone(
             time.sleep(0.05)
     assert lane["slots"] == SLOTS and lane["queued"] == 0
     assert lane["batch_occupancy"] > 1 / SLOTS  # rows did decode together
-    for name, run in (("at once", at_once), ("staggered", staggered),
-                      ("beside a leaver", beside_a_leaver)):
-        for i, (got, want) in enumerate(zip(run, alone, strict=True)):
-            assert got == want, (f"request {i} sent {name} differs from its answer alone: "
-                                 f"{_first_difference(got, want)}")
+    assert sum(a["finish_reason"] == "length" for a in at_once) >= 8
+    # The forced call is held to its grammar (a random model's city never ends: cut at
+    # max_tokens, the call stays text).
+    assert '"name": "get_weather", "arguments":{"city": "' in at_once[3]["message"]["content"]
+    assert all(a["logprobs"]["content"] for a in at_once)
+    for name, run in (("staggered", staggered), ("beside a leaver", beside_a_leaver)):
+        for i, (got, want) in enumerate(zip(run, at_once, strict=True)):
+            assert got == want, (f"request {i} sent {name} differs from its answer sent at "
+                                 f"once: {_first_difference(got, want)}")
 
-    # verify replays every stored answer (each alone in the batch; the leaver's fill went on
-    # without its client, as a fill does): all exact.
+    # Alone: `cacheproxy verify` replays every stored answer (the last busy run's, and the
+    # leaver's fill, which went on without its client) on a fresh runner at the same S, one
+    # request at a time, each alone in the batch, and compares text, calls, finish, token
+    # count and logprobs: all exact, so each busy run above equals its answers alone.
     out = subprocess.run([sys.executable, "-m", "cacheproxy", "verify", "--model",
                           str(variant_model), "--model-id", "m", "--prefill-step", str(STEP),
                           "--decode-slots", str(SLOTS), "--store", store, "--json"],
                          env=env, capture_output=True, text=True)
     report = json.loads(out.stdout)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert report["checked"] == 17 and report["exact_match_rate"] == 1.0
+    assert report["checked"] == 17 and report["exact_match_rate"] == 1.0, report["mismatches"]
 
     # The control: decoded at M = the rows in use, the same batch changes some answer.
     unpinned = _unpinned(variant_model, env)
-    differ = [i for i, (got, want) in enumerate(zip(unpinned, alone, strict=True))
+    differ = [i for i, (got, want) in enumerate(zip(unpinned, at_once, strict=True))
               if got != want]
     assert differ, "unpinned batching matched too: this runtime cannot tell the difference"
-    print(f"control: {len(differ)} of {len(alone)} answers differ at M = the rows in use")
+    print(f"control: {len(differ)} of {len(at_once)} answers differ at M = the rows in use")
 
 
 def test_serve_refuses_a_model_the_pinned_batch_cannot_serve_naming_the_setting(

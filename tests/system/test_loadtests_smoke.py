@@ -21,17 +21,20 @@ pytestmark = pytest.mark.xdist_group("loadtests")
 LOADTESTS = Path(__file__).resolve().parents[2] / "loadtests"
 # Each script's wiring (servers, table, plot, JSON) with its cheapest scenario: the full-size
 # runs are the scripts' own; the faults each scenario injects are tested in the suite (see
-# loadtests/README.md, "What the suite covers").
+# loadtests/README.md, "What the suite covers"). One mode or configuration each where a
+# second would only start the same servers again: hit_path non-stream (its stream rows are
+# the same wrk run with `"stream": true` in the body), coherence without the untracked
+# baseline (the same two replicas on another Redis user).
 SMOKES = {
     "reproducibility": (("--prompts", "2", "--repeats", "2", "--max-tokens", "8",
                          "--configs", "t0.7 unseeded,t0 concurrent"),
                         "reproducibility.png", "| t0 concurrent |"),
-    "hit_path": (("--smoke",), "hit_path.png", "| tiered |"),
-    "workload": (("--distinct", "30", "--rate", "10", "--duration", "1.5", "--bucket", "0.5",
+    "hit_path": (("--smoke", "--no-stream"), "hit_path.png", "| tiered | non-stream |"),
+    "workload": (("--distinct", "30", "--rate", "10", "--duration", "1", "--bucket", "0.5",
                   "--decode-slots", "2"),
                  "workload.png", "| through cacheproxy (in-process, S = 2) |"),
     "faults": (("--smoke", "--only", "hostile,soak"), "faults.png", "| hostile |"),
-    "coherence": (("--rounds", "2", "--baseline-rounds", "1"), "coherence.png",
+    "coherence": (("--rounds", "2", "--baseline-rounds", "0"), "coherence.png",
                   "| tiered+redis, l1_ttl 3600 s | 2 |"),
     "bench_batching": (("--smoke",), "bench_batching.png", "| proxy S=4 | 4 |"),
     "bench_margins": (("--smoke",), "bench_margins.png", "| demo | 2 |"),
