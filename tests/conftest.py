@@ -6,7 +6,7 @@ import os
 import sys
 
 # Bytecode caches: where PYTHONDONTWRITEBYTECODE is set (some sandboxes and CI images set it),
-# every process the suite starts (~100: serve, the CLI, mlx_lm.server, the load tests, both
+# every process the suite starts (~100: serve, the CLI, mlx_lm.server, the load tests, the
 # xdist workers) compiles the project from source again, and pytest rewrites the asserts of
 # ~450 modules again in each worker. Writing them (next to the sources, as Python does by
 # default; .gitignore has __pycache__) measured: collection 17.6 -> 8.3 s a worker, `serve`
@@ -55,7 +55,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     for item in items:
         mark = item.get_closest_marker("xdist_group")
-        if mark is not None and "@" not in item.nodeid:
+        # (xdist's scheduler reads a group after the last "@" past any parameters' "]")
+        if mark is not None and item.nodeid.rfind("@") <= item.nodeid.rfind("]"):
             item.stash[LOST_GROUP] = str(mark.args[0] if mark.args else mark.kwargs)
 
 

@@ -79,7 +79,8 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def difference(stored: codec.Output, replayed: codec.Output, *,
                logprobs: bool) -> Difference | None:
     """The first of: token ids, text, reasoning, tool calls, finish reason and (with
-    `logprobs`, when stored) log-probabilities that differs; None when all are identical."""
+    `logprobs`, when stored) log-probabilities with their top alternatives that differs;
+    None when all are identical."""
     # Entries generated through mlx_lm.server carry no token ids: compare their text.
     if stored.token_ids and replayed.token_ids:
         position = first_divergence(stored.token_ids, replayed.token_ids)
@@ -92,8 +93,9 @@ def difference(stored: codec.Output, replayed: codec.Output, *,
                           replayed.finish_reason)):
         if a != b:
             return Difference(reason)
-    lp_a = [lp.logprob for c in stored.chunks for lp in c.logprobs]
-    lp_b = [lp.logprob for c in replayed.chunks for lp in c.logprobs]
+    # Each token's log-probability and its top alternatives (ids, texts, log-probabilities).
+    lp_a = [(lp.logprob, lp.top) for c in stored.chunks for lp in c.logprobs]
+    lp_b = [(lp.logprob, lp.top) for c in replayed.chunks for lp in c.logprobs]
     if logprobs and lp_a and lp_a != lp_b:
         where = next((i for i, (x, y) in enumerate(zip(lp_a, lp_b, strict=False)) if x != y),
                      min(len(lp_a), len(lp_b)))

@@ -9,8 +9,9 @@ logit_bias, a stop sequence, penalties, logprobs with top alternatives) are sent
 server all at once, staggered (joining and leaving mid-decode), and beside a client that
 leaves mid-stream: every answer equal in the three runs. Alone: `cacheproxy verify` replays
 the stored answers on a fresh runner at the same S, one request at a time (each alone in
-the batch), logprobs included: 100 %. The control decodes the same batch at M = the rows in
-use instead of S: some answer differs, so the test can fail on this runtime.
+the batch), comparing token ids, text, calls, finish and logprobs with their top
+alternatives: 100 %. The control decodes the same batch at M = the rows in use instead of
+S: some answer differs, so the test can fail on this runtime.
 """
 
 from __future__ import annotations
@@ -217,8 +218,9 @@ def test_a_busy_pinned_batch_answers_every_request_as_it_answers_it_alone(
 
     # Alone: `cacheproxy verify` replays every stored answer (the last busy run's, and the
     # leaver's fill, which went on without its client) on a fresh runner at the same S, one
-    # request at a time, each alone in the batch, and compares text, calls, finish, token
-    # count and logprobs: all exact, so each busy run above equals its answers alone.
+    # request at a time, each alone in the batch, and compares token ids, text, reasoning,
+    # calls, finish and each token's logprob with its top alternatives (`replay.difference`):
+    # all exact, so each busy run above equals its answers alone.
     out = subprocess.run([sys.executable, "-m", "cacheproxy", "verify", "--model",
                           str(variant_model), "--model-id", "m", "--prefill-step", str(STEP),
                           "--decode-slots", str(SLOTS), "--store", store, "--json"],

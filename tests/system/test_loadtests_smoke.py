@@ -21,15 +21,13 @@ pytestmark = pytest.mark.xdist_group("loadtests")
 LOADTESTS = Path(__file__).resolve().parents[2] / "loadtests"
 # Each script's wiring (servers, table, plot, JSON) with its cheapest scenario: the full-size
 # runs are the scripts' own; the faults each scenario injects are tested in the suite (see
-# loadtests/README.md, "What the suite covers"). One mode or configuration each where a
-# second would only start the same servers again: hit_path non-stream (its stream rows are
-# the same wrk run with `"stream": true` in the body), coherence without the untracked
-# baseline (the same two replicas on another Redis user).
+# loadtests/README.md, "What the suite covers"). coherence runs without its untracked
+# baseline (the same two replicas again, on another Redis user: two `serve` starts).
 SMOKES = {
     "reproducibility": (("--prompts", "2", "--repeats", "2", "--max-tokens", "8",
                          "--configs", "t0.7 unseeded,t0 concurrent"),
                         "reproducibility.png", "| t0 concurrent |"),
-    "hit_path": (("--smoke", "--no-stream"), "hit_path.png", "| tiered | non-stream |"),
+    "hit_path": (("--smoke",), "hit_path.png", "| tiered | stream |"),
     "workload": (("--distinct", "30", "--rate", "10", "--duration", "1", "--bucket", "0.5",
                   "--decode-slots", "2"),
                  "workload.png", "| through cacheproxy (in-process, S = 2) |"),
