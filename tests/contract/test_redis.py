@@ -199,7 +199,7 @@ class TestLoad:
     async def test_writers_beyond_max_connections_wait_their_turn(
         self, shared_store_url: str
     ) -> None:
-        store = open_redis(shared_store_url + "?max_connections=4")
+        store = open_redis(shared_store_url + "&max_connections=4")
         keys = [f"load/{i}" for i in range(400)]
         try:
             await together(store.set(k, k.encode()) for k in keys)
@@ -226,7 +226,7 @@ class TestLoad:
     async def test_connections_stay_within_max_connections(
         self, shared_store_url: str, request: pytest.FixtureRequest
     ) -> None:
-        store = open_redis(shared_store_url + "?max_connections=3")
+        store = open_redis(shared_store_url + "&max_connections=3")
         stop = asyncio.Event()
 
         async def writer(i: int) -> None:

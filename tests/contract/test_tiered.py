@@ -408,8 +408,8 @@ async def test_only_a_tiered_store_asks_for_invalidations(
 async def test_over_a_cluster_a_change_on_any_primary_reaches_the_other_l1(
     redis_cluster_url: str, redis_cluster: RedisClusterNodes
 ) -> None:
-    ours = open_backend(f"tiered+{redis_cluster_url}?l1_ttl=3600")
-    theirs = open_backend(f"tiered+{redis_cluster_url}?l1_ttl=3600")
+    ours = open_backend(f"tiered+{redis_cluster_url}&l1_ttl=3600")
+    theirs = open_backend(f"tiered+{redis_cluster_url}&l1_ttl=3600")
     assert isinstance(ours, TieredBackend) and isinstance(theirs, TieredBackend)
     keys = [f"ns/{i}" for i in range(30)]  # spread over the three primaries' slots
     try:
@@ -439,7 +439,7 @@ async def test_over_a_cluster_a_change_on_any_primary_reaches_the_other_l1(
 async def test_over_a_cluster_a_primary_tracking_anew_empties_l1(
     redis_cluster_url: str, redis_cluster: RedisClusterNodes
 ) -> None:
-    store = open_backend(f"tiered+{redis_cluster_url}?l1_ttl=3600")
+    store = open_backend(f"tiered+{redis_cluster_url}&l1_ttl=3600")
     assert isinstance(store, TieredBackend)
     try:
         await store.set("ns/k", b"v")
