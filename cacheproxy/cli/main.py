@@ -43,7 +43,8 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--max-tools", {"type": int, "help": "tools (or functions) one request may offer"}),
     ("--max-schema-depth", {"type": int, "help": "JSON nesting of one request's schemas"}),
     ("--schema-timeout", {"type": float,
-                          "help": "seconds one request's schema checks may run (off the loop)"}),
+                          "help": "CPU seconds one request's schema checks may use (off the "
+                                  "loop)"}),
     ("--prefill-step", {"type": int,
                         "help": "prompt tokens per prefill chunk (in the fingerprint)"}),
     ("--prefix-cache-bytes", {"type": int,

@@ -48,7 +48,7 @@ class Settings:
     max_enum_values: int = 1000
     max_tools: int = 128
     max_schema_depth: int = 64
-    schema_timeout: float = 5.0  # seconds one request's schema checks may run
+    schema_timeout: float = 5.0  # CPU seconds one request's schema checks may use
     parse_off_loop: bool = True  # False (env only): schema checks on the event loop, a diagnostic
     prefill_step: int = PREFILL_STEP  # in-process: pinned in the fingerprint
     prefix_cache_bytes: int = PREFIX_CACHE_BYTES  # in-process exact prefix reuse; 0 = off

@@ -7,13 +7,22 @@ output_config.format...) or is large costs up to seconds of checks
 (jsonschema, llguidance), during which the loop would serve nobody, cached HITs included.
 Such a body is counted against the `SchemaBudget` and parsed on `ParsePool`'s worker: one
 thread, taking the cache scopes (keys, under per-key) in turns; a bounded number of parses
-outstanding, of all and of one scope (503 past either); and a deadline for each once it
-runs (400 `schema_too_complex` past it). A repeat of a remembered parse takes neither.
+outstanding, of all and of one scope (503 past either); and a budget of CPU time for each
+once it runs (400 `schema_too_complex` past it). A repeat of a remembered parse takes neither.
+
+The budget counts the worker thread's CPU time, not the wall clock: what a hostile schema
+costs is CPU, and on a loaded server (other processes on the cores, the lane's threads holding
+the GIL) a check of a few milliseconds of CPU once waited over 5 s of wall time for its turn,
+and an honest request was refused as too complex. A check that neither ends nor spends its
+budget is cut after `WALL_FACTOR` times the budget of wall time. (Where the platform has no
+clock of a thread's CPU time, macOS among them, the budget is wall time, as it was.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +39,9 @@ from policies.sampling import SamplingMode
 
 T = TypeVar("T")
 INLINE_BODY = 16 << 10  # bodies up to this size are decoded on the loop (tens of us)
+WALL_FACTOR = 10  # wall time a check may take, in budgets of CPU time (a backstop)
+# A thread's CPU clock (Linux; macOS has none: there the budget is the wall clock's).
+CPU_CLOCK: Callable[[int], int] | None = getattr(time, "pthread_getcpuclockid", None)
 
 
 @dataclass(slots=True)
@@ -39,6 +51,25 @@ class _Job:
     run: Callable[[], Any]
     started: asyncio.Event
     done: asyncio.Future[Any]
+    clock: int | None = None  # the worker thread's CPU clock, once the job runs on it
+    at_start: float | None = None  # that clock's reading (or the wall clock's) then
+
+    def on_worker(self) -> Any:
+        """What the worker runs: the job, its CPU time measured from here."""
+        if CPU_CLOCK is not None:
+            self.clock = CPU_CLOCK(threading.get_ident())
+            self.at_start = time.clock_gettime(self.clock)
+        else:
+            self.at_start = time.monotonic()
+        return self.run()
+
+    def cpu_spent(self) -> float:
+        """CPU seconds the job has used so far on the worker (0 before it began; where the
+        platform has no clock of a thread's CPU time, the wall time since it began)."""
+        if self.at_start is None:
+            return 0.0
+        now = time.monotonic() if self.clock is None else time.clock_gettime(self.clock)
+        return now - self.at_start
 
 
 class ParsePool:
@@ -61,8 +92,8 @@ class ParsePool:
 
     async def run(self, job: Callable[[], T], scope: str = "") -> T:
         """`job()` on the worker; 503 when too many are outstanding (of all, or of this
-        scope's), 400 when it runs past the deadline (it goes on, counted, until it ends:
-        a thread cannot be stopped)."""
+        scope's), 400 when it uses more than its budget of CPU time (it goes on, counted,
+        until it ends: a thread cannot be stopped)."""
         if self.outstanding >= self.max_outstanding or \
                 self._by_scope[scope] >= self.max_per_scope:
             raise Overloaded("too many requests with schemas are being checked, retry later")
@@ -72,13 +103,24 @@ class ParsePool:
         self.outstanding += 1
         self._by_scope[scope] += 1
         self._next()
-        await queued.started.wait()  # (in turn: each bounded by the budget and deadline)
-        try:
-            async with asyncio.timeout(self.timeout):
-                return cast(T, await asyncio.shield(queued.done))
-        except TimeoutError:
-            raise SchemaTooComplex(f"checking the request's schemas took over {self.timeout:g} "
-                                   "s, this server's limit") from None
+        await queued.started.wait()  # (in turn: each bounded by the budget)
+        backstop = asyncio.get_running_loop().time() + WALL_FACTOR * self.timeout
+        while True:
+            # CPU time never runs ahead of the wall clock: the budget cannot be spent before
+            # the rest of it has passed on the wall clock.
+            left = min(self.timeout - queued.cpu_spent(),
+                       backstop - asyncio.get_running_loop().time())
+            try:
+                async with asyncio.timeout(max(left, 0.0)):
+                    return cast(T, await asyncio.shield(queued.done))
+            except TimeoutError:
+                if queued.done.done():  # (it ended as the timer fired)
+                    return cast(T, queued.done.result())
+                if queued.cpu_spent() >= self.timeout or \
+                        asyncio.get_running_loop().time() >= backstop:
+                    raise SchemaTooComplex(
+                        f"checking the request's schemas took over {self.timeout:g} s of CPU, "
+                        "this server's limit") from None
 
     def _next(self) -> None:
         """Start the next job on the worker if it is free: the scope served longest ago."""
@@ -94,7 +136,7 @@ class ParsePool:
         self._busy = True
         self.started += 1
         queued.started.set()
-        future = asyncio.get_running_loop().run_in_executor(self._executor, queued.run)
+        future = asyncio.get_running_loop().run_in_executor(self._executor, queued.on_worker)
         future.add_done_callback(lambda f: self._ended(f, queued, scope))
 
     def _ended(self, future: asyncio.Future[Any], queued: _Job, scope: str) -> None:

@@ -18,7 +18,8 @@ import pytest
 
 from cacheproxy.cli.settings import DEMO_MODEL_ID
 from cacheproxy.edge.state import PROXY
-from cacheproxy.errors import Overloaded
+from cacheproxy.errors import Overloaded, SchemaTooComplex
+from cacheproxy.service import parsing
 from cacheproxy.service.parsing import ParsePool
 from tests.conftest import Proxy, ProxyFactory
 
@@ -261,4 +262,49 @@ async def test_keys_take_turns_on_the_parse_worker() -> None:
         assert order == ["c1", "c2", "c3"]
     finally:
         release.set()
+        pool.close()
+
+
+async def test_the_time_budget_counts_the_checks_cpu_not_its_wait_for_a_core() -> None:
+    """(The pool alone.) A check that waits is not charged for the wait: a sleeping job
+    stands in for a check starved of a core or of the GIL on a loaded server (the starvation
+    itself cannot be produced on demand; it once made a few-millisecond check of an honest
+    schema wait over 5 s and be refused). A check that spends its budget of CPU is cut near
+    it, as before; one that neither ends nor spends is cut at WALL_FACTOR budgets."""
+    pool = ParsePool(timeout=0.2)
+
+    def spin() -> str:
+        end = time.thread_time() + 0.6
+        while time.thread_time() < end:
+            pass
+        return "spun"
+
+    try:
+        assert await pool.run(lambda: time.sleep(0.5) or "waited") == "waited"
+        started = time.monotonic()
+        with pytest.raises(SchemaTooComplex):
+            await pool.run(spin)
+        assert time.monotonic() - started < 0.5  # cut near 0.2 s of CPU, not at its end
+        await asyncio.sleep(0.5)  # (the spin ends on the worker)
+        pool.timeout = 0.05  # the backstop: 10 budgets of wall time, 0.5 s
+        started = time.monotonic()
+        with pytest.raises(SchemaTooComplex):
+            await pool.run(lambda: time.sleep(1.0))
+        assert 0.45 < time.monotonic() - started < 0.9
+    finally:
+        pool.close()
+
+
+async def test_without_a_clock_of_a_threads_cpu_the_budget_is_wall_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(macOS has no `pthread_getcpuclockid`: the fallback, set here by hand.) The budget is
+    then the wall clock's, as it was: a waiting check is cut at it."""
+    monkeypatch.setattr(parsing, "CPU_CLOCK", None)
+    pool = ParsePool(timeout=0.2)
+    try:
+        started = time.monotonic()
+        with pytest.raises(SchemaTooComplex):
+            await pool.run(lambda: time.sleep(0.6))
+        assert time.monotonic() - started < 0.5
+    finally:
         pool.close()
