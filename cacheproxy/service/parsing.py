@@ -68,7 +68,10 @@ class _Job:
         platform has no clock of a thread's CPU time, the wall time since it began)."""
         if self.at_start is None:
             return 0.0
-        now = time.monotonic() if self.clock is None else time.clock_gettime(self.clock)
+        try:
+            now = time.monotonic() if self.clock is None else time.clock_gettime(self.clock)
+        except OSError:  # its thread is gone (the pool closed): the backstop still holds
+            return 0.0
         return now - self.at_start
 
 

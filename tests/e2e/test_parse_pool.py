@@ -21,7 +21,7 @@ from cacheproxy.edge.state import PROXY
 from cacheproxy.errors import Overloaded, SchemaTooComplex
 from cacheproxy.service import parsing
 from cacheproxy.service.parsing import ParsePool
-from tests.conftest import Proxy, ProxyFactory
+from tests.conftest import Proxy, ProxyFactory, eventually
 
 HIT_BODY = {"model": DEMO_MODEL_ID, "max_tokens": 4,
             "messages": [{"role": "user", "content": "What does the fox eat?"}]}
@@ -269,29 +269,31 @@ async def test_the_time_budget_counts_the_checks_cpu_not_its_wait_for_a_core() -
     """(The pool alone.) A check that waits is not charged for the wait: a sleeping job
     stands in for a check starved of a core or of the GIL on a loaded server (the starvation
     itself cannot be produced on demand; it once made a few-millisecond check of an honest
-    schema wait over 5 s and be refused). A check that spends its budget of CPU is cut near
-    it, as before; one that neither ends nor spends is cut at WALL_FACTOR budgets."""
+    schema wait over 5 s and be refused). A check that spends its budget of CPU is cut (it
+    would spin for 5 s); one that neither ends nor spends is cut at WALL_FACTOR budgets."""
     pool = ParsePool(timeout=0.2)
+    stop, release = threading.Event(), threading.Event()
 
     def spin() -> str:
-        end = time.thread_time() + 0.6
-        while time.thread_time() < end:
+        end = time.thread_time() + 5.0
+        while time.thread_time() < end and not stop.is_set():
             pass
         return "spun"
 
     try:
         assert await pool.run(lambda: time.sleep(0.5) or "waited") == "waited"
-        started = time.monotonic()
-        with pytest.raises(SchemaTooComplex):
-            await pool.run(spin)
-        assert time.monotonic() - started < 0.5  # cut near 0.2 s of CPU, not at its end
-        await asyncio.sleep(0.5)  # (the spin ends on the worker)
+        with pytest.raises(SchemaTooComplex, match="took over 0.2 s of CPU"):
+            await pool.run(spin)  # (cut at 0.2 s of CPU: its 5 s would have ended it)
+        stop.set()
+        await eventually(lambda: pool.outstanding == 0, within=5)
         pool.timeout = 0.05  # the backstop: 10 budgets of wall time, 0.5 s
         started = time.monotonic()
         with pytest.raises(SchemaTooComplex):
-            await pool.run(lambda: time.sleep(1.0))
-        assert 0.45 < time.monotonic() - started < 0.9
+            await pool.run(lambda: release.wait(5))
+        assert 0.45 < time.monotonic() - started < 2.0
     finally:
+        stop.set()
+        release.set()
         pool.close()
 
 
@@ -301,10 +303,12 @@ async def test_without_a_clock_of_a_threads_cpu_the_budget_is_wall_time(
     then the wall clock's, as it was: a waiting check is cut at it."""
     monkeypatch.setattr(parsing, "CPU_CLOCK", None)
     pool = ParsePool(timeout=0.2)
+    release = threading.Event()
     try:
         started = time.monotonic()
         with pytest.raises(SchemaTooComplex):
-            await pool.run(lambda: time.sleep(0.6))
-        assert time.monotonic() - started < 0.5
+            await pool.run(lambda: release.wait(5))
+        assert time.monotonic() - started < 2.0
     finally:
+        release.set()
         pool.close()
