@@ -107,23 +107,22 @@ class ParsePool:
         self._by_scope[scope] += 1
         self._next()
         await queued.started.wait()  # (in turn: each bounded by the budget)
-        backstop = asyncio.get_running_loop().time() + WALL_FACTOR * self.timeout
+        loop = asyncio.get_running_loop()
+        backstop = loop.time() + WALL_FACTOR * self.timeout
         while True:
             # CPU time never runs ahead of the wall clock: the budget cannot be spent before
             # the rest of it has passed on the wall clock.
-            left = min(self.timeout - queued.cpu_spent(),
-                       backstop - asyncio.get_running_loop().time())
+            left = min(self.timeout - queued.cpu_spent(), backstop - loop.time())
+            if left <= 0:
+                raise SchemaTooComplex(
+                    f"checking the request's schemas took over {self.timeout:g} s of CPU, "
+                    "this server's limit")
             try:
-                async with asyncio.timeout(max(left, 0.0)):
+                async with asyncio.timeout(left):
                     return cast(T, await asyncio.shield(queued.done))
             except TimeoutError:
                 if queued.done.done():  # (it ended as the timer fired)
                     return cast(T, queued.done.result())
-                if queued.cpu_spent() >= self.timeout or \
-                        asyncio.get_running_loop().time() >= backstop:
-                    raise SchemaTooComplex(
-                        f"checking the request's schemas took over {self.timeout:g} s of CPU, "
-                        "this server's limit") from None
 
     def _next(self) -> None:
         """Start the next job on the worker if it is free: the scope served longest ago."""
