@@ -91,9 +91,13 @@ class MlxRunner:
     def _reload(self, path: Path) -> Loaded:
         # The saved prefix states belong to the model being replaced: freed before the new
         # one loads, not held beside it (if the load fails, the old model serves cold).
-        if self._loaded is not None and self._loaded.prefixes is not None:
-            self._loaded.prefixes.clear()
-        return self._load(path)
+        old = self._loaded
+        if old is not None and old.prefixes is not None:
+            old.prefixes.clear()
+        new = self._load(path)
+        if old is not None and old.prefiller is not None:
+            old.prefiller.close()  # (the slots drained: nothing of the old model runs)
+        return new
 
     def _load(self, path: Path) -> Loaded:
         return load_model(self._options, path, versions=self._versions, memo=self._memo)
@@ -229,7 +233,7 @@ class MlxRunner:
             processors=self._processors(loaded, request, prompt, decoding.processors(request),
                                         generation.reuse_scope),
             max_tokens=max_tokens, step=self._options.prefill_step, prefixes=loaded.prefixes,
-            measure_margins=self._options.measure_margins))
+            prefiller=loaded.prefiller, measure_margins=self._options.measure_margins))
 
     def _processors(self, loaded: Loaded, request: CanonicalRequest, prompt: ChatPrompt,
                     processors: list[Any], scope: str) -> list[Any]:
@@ -317,3 +321,5 @@ class MlxRunner:
         if self._slots is not None:
             self._slots.close()
             await asyncio.to_thread(self._slots.join)
+        if self._loaded is not None and self._loaded.prefiller is not None:
+            await asyncio.to_thread(self._loaded.prefiller.close)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from cacheproxy.keys.grammar import engine_version
 from cacheproxy.runners import prefix, rows
 from cacheproxy.runners.chat import template_defaults, thinking_kwarg
 from cacheproxy.runners.constrain import Grammars
+from cacheproxy.runners.prefiller import ModelFilesMoved, PrefillProcess
 from cacheproxy.runners.watcher import Snapshot, snapshot
 
 PREFILL_STEP = 512  # mlx-lm's chunk of prompt tokens per prefill step (the default setting)
@@ -37,6 +38,9 @@ class MlxOptions:
     prefill_step: int = PREFILL_STEP  # changes answers on batch-variant runtimes: pinned
     prefix_cache_bytes: int = PREFIX_CACHE_BYTES  # 0: every prefill cold (never changes one)
     decode_slots: int = 1  # rows of the pinned decode batch (1: batch of one): pinned
+    # With S > 1, prefill in a process of its own (`prefiller`): the same bits, not slowed
+    # by (nor slowing) the decode steps; False prefills on a thread beside them.
+    prefill_process: bool = True
     # M = the rows in use instead of S: a diagnostic for the exactness test's control only
     # (its answers depend on the neighbours); no setting reaches it.
     unpinned_decode: bool = False
@@ -57,6 +61,7 @@ class Loaded:
     snapshot: Snapshot
     grammars: Grammars
     prefixes: prefix.PrefixStore | None  # None: off, or a cache this reuse cannot cut
+    prefiller: PrefillProcess | None = None  # S > 1's prefill process (ended with the model)
 
 
 class ModelChanging(Exception):
@@ -91,6 +96,25 @@ def load_model(options: MlxOptions, path: Path, *, versions: fp.VersionSource,
                memo: DigestMemo) -> Loaded:
     """Load a model directory as the runner serves it (on the lane thread); a model that
     --decode-slots S > 1 cannot batch is refused (`rows.check`)."""
+    # The prefill process loads beside this one (on another core) and is checked at the end.
+    prefiller = PrefillProcess(path) if options.decode_slots > 1 and options.prefill_process \
+        else None
+    try:
+        loaded = _load(options, path, versions=versions, memo=memo)
+        if prefiller is not None:
+            try:
+                prefiller.wait_loaded(loaded.snapshot)
+            except ModelFilesMoved as exc:  # the watcher loads them again once stable
+                raise ModelChanging(str(exc)) from exc
+    except BaseException:
+        if prefiller is not None:
+            prefiller.close()
+        raise
+    return replace(loaded, prefiller=prefiller)
+
+
+def _load(options: MlxOptions, path: Path, *, versions: fp.VersionSource,
+          memo: DigestMemo) -> Loaded:
     from mlx_lm import load
 
     before = snapshot(path)

@@ -170,7 +170,7 @@ def warming(store: PrefixStore, model: Any, cache: list[Any],
     found = store.longest(ids, chain, scope)
     reused = len(found) * step
     if found:
-        _restore(cache, found, step)
+        restore(cache, found, step)
     yield from prefilling(model, cache, ids[reused:aligned], step)
     if aligned > reused:
         store.put(ids, chain, [(c.keys, c.values) for c in cache], scope)
@@ -224,7 +224,7 @@ def with_history(processors: list[Any], prefix: Sequence[int]) -> list[Any]:
     return [processed]
 
 
-def _restore(cache: list[Any], chunks: list[Chunk], step: int) -> None:
+def restore(cache: list[Any], chunks: list[Chunk], step: int) -> None:
     """Each layer of ``cache`` at the tokens of ``chunks``, laid out as a cold prefill of
     that many tokens lays it out (buffer size included, zeros past the end)."""
     import mlx.core as mx

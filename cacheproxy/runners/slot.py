@@ -23,6 +23,7 @@ from cacheproxy.keys.codec import Chunk, Output
 from cacheproxy.runners import decoding, margins, prefix
 from cacheproxy.runners.assembler import Assembler
 from cacheproxy.runners.base import Finished, Generation, Prefill
+from cacheproxy.runners.prefiller import PrefillProcess
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -39,6 +40,7 @@ class SlotPlan:
     max_tokens: int
     step: int  # the pinned prefill step
     prefixes: prefix.PrefixStore | None
+    prefiller: PrefillProcess | None = None  # None: the prefill runs in this process
     measure_margins: bool = True
 
 
@@ -82,6 +84,9 @@ class Slot:
         from mlx_lm.generate import generation_stream
 
         plan, ids = self.plan, self.plan.ids
+        if plan.prefiller is not None:
+            yield from self._prefilling_apart(plan.prefiller)
+            return
         reused = held = 0
         if plan.prefixes is not None:
             reused, held = yield from prefix.warming(plan.prefixes, plan.model, self.cache, ids,
@@ -98,6 +103,37 @@ class Slot:
             rest = rest[n:]
         with mx.stream(generation_stream):  # (a whole prefix restored and nothing run: its
             mx.eval([c.state for c in self.cache])  # cache is evaluated on this thread too)
+
+    def _prefilling_apart(self, prefiller: PrefillProcess) -> Generator[int, None, None]:
+        """`_prefilling` in the prefill process: the same saved prefix and the same chunks
+        (``warming``'s, then the rest's, are chunks of the step from the prefix on), its
+        chunks saved from the state handed back (positions a later chunk never writes)."""
+        import mlx.core as mx
+
+        plan, ids, scope = self.plan, self.plan.ids, self.generation.reuse_scope
+        end = len(ids) - 1  # as generate_step: the last token is kept back
+        store, chain, found = plan.prefixes, [], []
+        aligned = end // plan.step * plan.step if store is not None else 0
+        if store is not None and aligned > 0:
+            chain = store.chain(ids, aligned, scope)
+            found = store.longest(ids, chain, scope)
+        reused = len(found) * plan.step
+        self.generation.push(Prefill(reused, len(ids)))
+        if end <= reused:  # nothing to run: the saved prefix (if any) is the whole state
+            if found:
+                prefix.restore(self.cache, found, plan.step)
+                mx.eval([c.state for c in self.cache])
+            return
+        yield end - reused
+        layers = prefiller.prefill(found, ids[reused:end], plan.step,
+                                   lambda: self.generation.cancelled)
+        if layers is None:
+            self._finish = "cancelled"
+            return
+        for layer, state in zip(self.cache, layers, strict=True):
+            layer.state = state
+        if store is not None and aligned > reused:
+            store.put(ids, chain, [(c.keys, c.values) for c in self.cache], scope)
 
     @property
     def ended(self) -> bool:

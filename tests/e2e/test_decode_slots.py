@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -139,3 +141,24 @@ async def test_the_queue_bound_counts_waiting_and_decoding_generations_and_a_lon
         assert runner.lane_state()["queued"] == 0
     finally:
         await runner.aclose()
+
+
+async def test_each_load_has_its_prefill_process_and_a_dead_one_is_started_again(
+        slots_runner: MlxRunner) -> None:
+    """S > 1 prefills in a process of its own (`runners.prefiller`), one per loaded model: a
+    reload starts another and ends the old one; one killed between two requests is started
+    again by the next prefill, which answers as before."""
+    question = _request(slots_runner, QUESTIONS[2], 12)
+    before = await _output(slots_runner.generate(question))
+    old = slots_runner._current().prefiller
+    assert old is not None and old.pid is not None
+    await slots_runner.reload()
+    new = slots_runner._current().prefiller
+    assert new is not None and new.pid is not None and new.pid != old.pid
+    with pytest.raises(ProcessLookupError):
+        os.kill(old.pid, 0)  # ended (and reaped) once the new model served
+    killed = new.pid
+    os.kill(killed, signal.SIGKILL)
+    again = await _output(slots_runner.generate(question))
+    assert again.chunks == before.chunks and again.finish_reason == before.finish_reason
+    assert new.pid != killed
