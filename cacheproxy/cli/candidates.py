@@ -24,7 +24,8 @@ def mlx_runner(settings: Settings, model: str) -> Runner:
                                 digest_memo=Path(settings.digest_memo),
                                 prefill_step=settings.prefill_step,
                                 prefix_cache_bytes=settings.prefix_cache_bytes,
-                                decode_slots=settings.decode_slots))
+                                decode_slots=settings.decode_slots,
+                                prefill_process=settings.prefill_process))
 
 
 def candidate_runner(settings: Settings, target: str, model_dir: str | None) -> Runner:

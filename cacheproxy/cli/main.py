@@ -52,6 +52,11 @@ SERVE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--decode-slots", {"type": int, "metavar": "S",
                         "help": "generations decoded together, in a batch pinned at S rows "
                                 "(1: one at a time; in the fingerprint)"}),
+    ("--no-prefill-process", {"dest": "prefill_process", "action": "store_const",
+                              "const": False,
+                              "help": "with --decode-slots S > 1: prefill on a thread beside "
+                                      "the decode steps, not in a process of its own (no "
+                                      "second copy of the weights; slower decode under load)"}),
     ("--device-scope", {"action": "store_const", "const": True}),
     ("--no-watch", {"dest": "watch", "action": "store_const", "const": False,
                     "help": "do not watch the model files for changes"}),

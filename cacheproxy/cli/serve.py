@@ -98,7 +98,7 @@ def _mlx_runner(settings: Settings, name: str, model: str) -> MlxRunner:
         max_tokens_cap=settings.max_tokens_cap, device_scope=settings.device_scope,
         digest_memo=Path(settings.digest_memo), prefill_step=settings.prefill_step,
         prefix_cache_bytes=settings.prefix_cache_bytes, decode_slots=settings.decode_slots,
-        note_queueing=True))
+        prefill_process=settings.prefill_process, note_queueing=True))
 
 
 @asynccontextmanager

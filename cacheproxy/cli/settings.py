@@ -53,6 +53,7 @@ class Settings:
     prefill_step: int = PREFILL_STEP  # in-process: pinned in the fingerprint
     prefix_cache_bytes: int = PREFIX_CACHE_BYTES  # in-process exact prefix reuse; 0 = off
     decode_slots: int = 1  # in-process rows decoded together at a pinned shape (fingerprinted)
+    prefill_process: bool = True  # S > 1: prefill in a process of its own (False: a thread)
     device_scope: bool = False
     watch: bool = True
     watch_interval: float = 2.0

@@ -66,7 +66,7 @@ async def public_stats(request: web.Request) -> web.Response:
 
 # The lane's figures /metrics shows as cacheproxy_lane{figure=...}.
 LANE_FIGURES = ("slots", "slots_in_use", "waiting", "prefilling", "decode_tokens_per_s",
-                "batch_occupancy", "queued_behind")
+                "batch_occupancy", "queued_behind", "prefill_restarts")
 # The service's counters of answers the store refused, by the reason their X-Cache shows.
 REFUSED = {"store_full": Reason.STORE_FULL.value, "store_read_only": Reason.STORE_READ_ONLY.value}
 
@@ -136,6 +136,7 @@ async function refresh() {
   const lane = l => `${l.busy ? "busy" : "idle"}, ${l.queued} queued` + (l.slots > 1
     ? `; ${l.slots_in_use} of ${l.slots} slots, ${l.prefilling} prefilling, `
       + `${l.decode_tokens_per_s} tokens/s, occupancy ${(100 * l.batch_occupancy).toFixed(0)} %`
+      + (l.prefill_restarts ? `, prefill process restarted ${l.prefill_restarts}x` : "")
     : l.queued_behind ? `; ${l.queued_behind} misses queued behind one slot` : "");
   set("hit-rate", s.hit_rate === null ? "-" : (100 * s.hit_rate).toFixed(1) + " %");
   set("requests", total);

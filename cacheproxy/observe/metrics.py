@@ -260,7 +260,8 @@ class Metrics:
         # The pinned decode batch (--decode-slots), as the lane's state gives it.
         self.lane = Gauge("cacheproxy_lane", "The generation lane: decode slots and slots in "
                           "use, generations waiting or prefilling, decode tokens/s and batch "
-                          "occupancy (0..1) over the last 10 s", ["figure"], registry=r)
+                          "occupancy (0..1) over the last 10 s, prefill process restarts",
+                          ["figure"], registry=r)
         self.prefix_entries = Gauge("cacheproxy_prefix_entries",
                                     "Saved prefix chunks (exact prefix reuse, in-process)",
                                     registry=r)

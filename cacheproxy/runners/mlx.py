@@ -95,6 +95,10 @@ class MlxRunner:
         if old is not None and old.prefixes is not None:
             old.prefixes.clear()
         new = self._load(path)
+        # Swapped in here, on the lane thread, before the lane takes its next generation:
+        # one admitted right after this call returns must see the new model (set later, on
+        # the event loop, it could still plan on the old one).
+        self._loaded = new
         if old is not None and old.prefiller is not None:
             old.prefiller.close()  # (the slots drained: nothing of the old model runs)
         return new
@@ -143,8 +147,9 @@ class MlxRunner:
         return prompt_length(self.tokenizer, request)
 
     def lane_state(self) -> dict[str, float | int]:
-        """Queued jobs, whether one is generating, the slots' figures (with S > 1) and the
-        prefix store's."""
+        """Queued jobs, whether one is generating, the slots' figures (with S > 1: and how
+        often the prefill process was started again since the model loaded) and the prefix
+        store's."""
         state: dict[str, float | int] = {"queued": self._queued, "busy": int(self._busy),
                                          "lanes": 1}
         if self._slots is not None:
@@ -157,6 +162,9 @@ class MlxRunner:
         prefixes = self._loaded.prefixes if self._loaded is not None else None
         if prefixes is not None:
             state.update(prefixes.state())
+        prefiller = self._loaded.prefiller if self._loaded is not None else None
+        if prefiller is not None:
+            state.update(prefill_restarts=prefiller.restarts)
         return state
 
     def generate(self, request: CanonicalRequest, *, reuse_scope: str = "") -> Generation:

@@ -14,12 +14,14 @@ The lane thread, one turn of its loop:
    ends frees its row for the next turn.
 
 The prefill thread runs the prefills of admitted slots (each at batch one in the pinned
-prefill step, one chunk at a time, oldest slot first) while the lane thread decodes: a
-prompt, however long, never holds up the decode steps of the others, and on a runtime whose
-matrix products run on one thread each (OpenBLAS with ``OPENBLAS_NUM_THREADS=1``) a prefill
-and a decode step run on two cores at once. A row's bits do not depend on this: every
-prefill chunk and every decode step is the same computation whichever thread runs it, and
-a slot joins the batch only once its whole prefill is evaluated.
+prefill step, oldest slot first) while the lane thread decodes: a prompt, however long,
+never holds up the decode steps of the others. By default the thread hands each prefill to
+the model's prefill process (`prefiller`) and waits: MLX throttles evaluation per process,
+so a prefill evaluated in this one slows every decode step beside it 2-3x, and in a process
+of its own it does not (the thread itself then runs one chunk at a time). A row's bits do
+not depend on this: every prefill chunk and every decode step is the same computation
+whichever thread or process runs it, and a slot joins the batch only once its whole prefill
+is evaluated.
 """
 
 from __future__ import annotations

@@ -162,3 +162,23 @@ async def test_each_load_has_its_prefill_process_and_a_dead_one_is_started_again
     again = await _output(slots_runner.generate(question))
     assert again.chunks == before.chunks and again.finish_reason == before.finish_reason
     assert new.pid != killed
+    assert slots_runner.lane_state()["prefill_restarts"] == 1  # (what operators see)
+
+
+async def test_prefills_on_a_thread_answer_as_prefills_in_the_process(
+        slots_runner: MlxRunner) -> None:
+    """`--no-prefill-process`: the prefill on a thread beside the decode steps, no second
+    process; the same computation, so the same answers (it is not in the fingerprint)."""
+    threaded = MlxRunner(MlxOptions(model=str(BUNDLED_MODEL), model_id=DEMO_MODEL_ID,
+                                    decode_slots=SLOTS, prefill_process=False))
+    await threaded.start()
+    try:
+        assert "prefill_restarts" not in threaded.lane_state()  # (no process to restart)
+        assert threaded.fingerprint() == slots_runner.fingerprint()
+        mine = await asyncio.gather(*(_output(threaded.generate(_request(threaded, q, 16)))
+                                      for q in QUESTIONS[:3]))
+        theirs = await asyncio.gather(*(
+            _output(slots_runner.generate(_request(slots_runner, q, 16))) for q in QUESTIONS[:3]))
+        assert [o.chunks for o in mine] == [o.chunks for o in theirs]
+    finally:
+        await threaded.aclose()
