@@ -62,6 +62,7 @@ class MlxRunner:
         self.model_dir: Path | None = None
         self.generations = 0
         self.reloads = 0
+        self._prefill_restarts = 0  # of the prefill processes of the models loaded before
 
     async def start(self) -> None:
         """Load the model on the lane thread and fingerprint its files."""
@@ -100,6 +101,7 @@ class MlxRunner:
         # the event loop, it could still plan on the old one).
         self._loaded = new
         if old is not None and old.prefiller is not None:
+            self._prefill_restarts += old.prefiller.restarts  # (the lane's count goes on)
             old.prefiller.close()  # (the slots drained: nothing of the old model runs)
         return new
 
@@ -148,7 +150,7 @@ class MlxRunner:
 
     def lane_state(self) -> dict[str, float | int]:
         """Queued jobs, whether one is generating, the slots' figures (with S > 1: and how
-        often the prefill process was started again since the model loaded) and the prefix
+        often a prefill process was started again since the runner started) and the prefix
         store's."""
         state: dict[str, float | int] = {"queued": self._queued, "busy": int(self._busy),
                                          "lanes": 1}
@@ -164,7 +166,7 @@ class MlxRunner:
             state.update(prefixes.state())
         prefiller = self._loaded.prefiller if self._loaded is not None else None
         if prefiller is not None:
-            state.update(prefill_restarts=prefiller.restarts)
+            state.update(prefill_restarts=self._prefill_restarts + prefiller.restarts)
         return state
 
     def generate(self, request: CanonicalRequest, *, reuse_scope: str = "") -> Generation:

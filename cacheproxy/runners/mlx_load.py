@@ -105,7 +105,7 @@ def load_model(options: MlxOptions, path: Path, *, versions: fp.VersionSource,
             try:
                 prefiller.wait_loaded(loaded.snapshot)
             except ModelFilesMoved as exc:  # the watcher loads them again once stable
-                raise ModelChanging(str(exc)) from exc
+                raise ModelChanging(exc.detail) from exc
     except BaseException:
         if prefiller is not None:
             prefiller.close()

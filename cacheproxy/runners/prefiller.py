@@ -1,5 +1,6 @@
 """The prefill process of `--decode-slots S > 1`: prompts are prefilled in a process of their
-own, beside the decode steps of the lane, so a prefill never slows the batch down.
+own (`prefill_worker`), beside the decode steps of the lane, so a prefill never slows the
+batch down.
 
 Why a process and not a thread: MLX throttles evaluation on a process-wide count of tasks in
 flight (``MAX_ACTIVE_TASKS``, no setting), and on the CPU every op is a task. A prefill keeps
@@ -9,15 +10,15 @@ thread), a decode step took 114 ms alone, 271 ms beside a prefill thread and 130
 prefill process. Two processes have two schedulers.
 
 The process loads the same model directory (its file identities must be those the runner
-loaded: a changed file is refused, the watcher reloads both) and runs exactly the prefill a
-lone generation runs (`prefix.prefilling`: chunks of the pinned step, an evaluation after
-each), from the saved prefix chunks it is handed. It hands back each layer's keys and values
-as the cache held them (its whole buffers, zeros past the end included): the same bits, the
-same layout. Messages cross a socket pair; arrays cross as safetensors files (any dtype) in
-a private directory in memory (/dev/shm where there is one), each removed once read (the
-directory by the runner when it closes, or by the process when the runner's end of the
-socket closes unasked). One process per loaded model: a reload starts a new one and ends
-the old once the new model serves.
+loaded, else it is refused and the watcher reloads both) and runs exactly the prefill a lone
+generation runs, from the saved prefix chunks it is handed; it hands back each layer's whole
+keys and values buffers, which the runner's cache takes as they are: the same bits, the same
+layout. Messages cross a socket pair; arrays cross as safetensors files (any dtype) in a
+private directory, in memory (/dev/shm) where it has room. One process per loaded model: a
+reload starts a new one and ends the old once the new model serves. A process that ends (killed,
+out of memory) is started again by the next prefill; the prefill it ended in runs once more
+(a pure function), and fails if it ends again. Every failure reaches the request as a 500
+`generation_failed` with a plain message; the server log says why (`prefill_process_failed`).
 """
 
 from __future__ import annotations
@@ -31,24 +32,50 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import structlog
 
+from cacheproxy.errors import GenerationFailed
 from cacheproxy.runners import prefix
-from cacheproxy.runners.watcher import Snapshot, snapshot
+from cacheproxy.runners.prefill_worker import load, save
+from cacheproxy.runners.watcher import Snapshot
 
+WORKER = "cacheproxy.runners.prefill_worker"
 POLL = 0.02  # seconds between two looks at a waiting generation's cancellation
+CANCEL_WAIT = 10.0  # seconds a cancelled prefill may take to stop before its process is killed
 EXIT_WAIT = 5.0  # seconds a closing process has to end before it is killed
+SHM = "/dev/shm"
+SHM_MIN_FREE = 1 << 30  # below this free in /dev/shm (Docker gives 64 MB), a disk directory
 
 log = structlog.get_logger("cacheproxy.runners")
 
 
-class PrefillProcessError(RuntimeError):
-    """The prefill process failed to load, failed a prefill, or is gone."""
+class PrefillProcessError(GenerationFailed):
+    """The prefill process failed to load, failed a prefill, or is gone (``detail`` says
+    which; the request sees a plain message)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__("generation failed: the prefill process failed (the server log "
+                         "says why)")
+        self.detail = detail
+
+
+class Gone(PrefillProcessError):
+    """The prefill process ended (its end of the socket closed)."""
+
+
+class ModelFilesMoved(PrefillProcessError):
+    """The prefill process loaded other files than the runner (they changed meanwhile)."""
+
+
+def _failed(error: PrefillProcessError, model: Path) -> PrefillProcessError:
+    log.warning("prefill_process_failed", detail=error.detail, model=str(model))
+    return error
 
 
 class PrefillProcess:
@@ -60,104 +87,149 @@ class PrefillProcess:
         self._jobs = itertools.count(1)
         self._conn: Connection | None = None
         self._process: subprocess.Popen[bytes] | None = None
-        self._expected: Snapshot | None = None
+        self._expected: Snapshot | None = None  # the runner's files (set by wait_loaded)
+        self._loaded = False  # this process said it loaded them
+        self._stale = ""  # why no prefill may run any more (the files changed): until a reload
+        self._closed = False
         self.restarts = 0  # processes started again after one ended (the lane shows it)
-        # The arrays cross in files of a private directory in memory where there is one
-        # (/dev/shm): ~5x faster than through the socket for a long prompt's state.
-        self._dir = Path(tempfile.mkdtemp(prefix="cacheproxy-prefill-", dir=_memory_dir()))
-        self._start()
-
-    def _start(self) -> None:
-        # A fresh interpreter running this module, not multiprocessing's spawn (which runs
-        # the parent's main script again in the child: a program without a main guard would
-        # start itself) nor fork (unsafe beside threads and MLX). It inherits the
-        # environment (the BLAS, its thread count) and talks over one end of a socket pair.
-        ours, theirs = socket.socketpair()
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[2])  # (where `cacheproxy` imports from)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self._dir = Path(tempfile.mkdtemp(prefix="cacheproxy-prefill-", dir=_files_root()))
+        self._files = self._dir
         try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "cacheproxy.runners.prefiller", str(theirs.fileno()),
-                 str(self.path), str(self._dir)], pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL, env=env)
-        finally:
-            theirs.close()
-        self._conn = Connection(ours.detach())
+            self._start()
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
 
     @property
     def pid(self) -> int | None:
         """The process's id (a new one after a restart)."""
         return self._process.pid if self._process is not None else None
 
+    def _start(self) -> None:
+        # A fresh interpreter (-P: `cacheproxy` from where this one came, not the working
+        # directory), not multiprocessing's spawn (which runs the parent's main script again
+        # in the child) nor fork (unsafe beside threads and MLX). It inherits the
+        # environment: the BLAS and its thread count, so the same bits.
+        self._files = self._dir / str(self.restarts)  # its own (it tidies up if orphaned)
+        self._files.mkdir()
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-P", "-m", WORKER, str(theirs.fileno()), str(self.path),
+                 str(self._files)], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                env=env)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._conn = Connection(ours.detach())
+
     def wait_loaded(self, expected: Snapshot) -> None:
         """Wait for the process's load; refuse (`ModelFilesMoved`) a load of other files
         than ``expected``, the runner's."""
         self._expected = expected
-        reply = self._receive()
+        try:
+            reply = self._receive()
+        except Gone as exc:
+            raise _failed(exc, self.path) from None
         if reply[0] != "loaded":
-            raise PrefillProcessError(f"the prefill process could not load the model: {reply[1]}")
+            raise _failed(PrefillProcessError(f"it could not load the model: {reply[1]}"),
+                          self.path)
         if reply[1] != expected or reply[2] != expected:
-            raise ModelFilesMoved(f"the files of {self.path} changed while the prefill "
-                                  "process loaded them")
+            raise _failed(ModelFilesMoved(f"the files of {self.path} changed while the "
+                                          "prefill process loaded them"), self.path)
+        self._loaded = True
 
     def prefill(self, chunks: Sequence[prefix.Chunk], ids: Sequence[int], step: int,
                 cancelled: Callable[[], bool]) -> tuple[Any, ...] | None:
         """Each layer's (keys, values, offset) after a prefill of ``ids`` in chunks of
         ``step`` from the state of ``chunks`` (saved prefix chunks, maybe none); None if
-        ``cancelled()`` became true first. A process that ends during it (killed, out of
-        memory) is started again and the prefill run once more (it is a pure function);
-        a second end fails it."""
+        ``cancelled()`` became true first. Run once more in a new process if its process
+        ends meanwhile."""
         with self._lock:
+            if self._closed or self._stale:
+                raise _failed(PrefillProcessError(self._stale or "it was closed"), self.path)
             job = next(self._jobs)
-            given = self._dir / f"in-{job}.safetensors"
             try:
-                if chunks:
-                    _save(given, {f"{c}.{n}.{kv}": a for c, chunk in enumerate(chunks)
-                                  for n, layer in enumerate(chunk.layers)
-                                  for kv, a in zip("kv", layer, strict=True)})
-                message = ("prefill", job, given.name, len(chunks), list(ids), step)
+                reply = self._attempt(job, chunks, ids, step, cancelled)
+            except Gone as first:
+                log.warning("prefill_process_ended", detail=first.detail, model=str(self.path))
                 try:
-                    reply = self._run(message, cancelled)
-                except Gone:
-                    reply = self._run(message, cancelled)
+                    reply = self._attempt(job, chunks, ids, step, cancelled)
+                except Gone as second:
+                    raise _failed(second, self.path) from None
+            if reply[0] == "cancelled":
+                return None
+            if reply[0] != "done":
+                raise _failed(PrefillProcessError(f"a prefill failed: {reply[1]}"), self.path)
+            out = self._files / reply[1]
+            try:
+                arrays = load(out)
             finally:
-                given.unlink(missing_ok=True)
-        if reply[0] == "cancelled":
-            return None
-        if reply[0] != "done":
-            raise PrefillProcessError(f"the prefill process failed: {reply[1]}")
-        return _layers(self._dir / reply[1], reply[2])
+                out.unlink(missing_ok=True)
+        return tuple((arrays[f"{n}.k"], arrays[f"{n}.v"], offset)
+                     for n, offset in enumerate(reply[2]))
 
-    def _run(self, message: tuple[Any, ...], cancelled: Callable[[], bool]
-             ) -> tuple[Any, ...]:
+    def _attempt(self, job: int, chunks: Sequence[prefix.Chunk], ids: Sequence[int],
+                 step: int, cancelled: Callable[[], bool]) -> tuple[Any, ...]:
         if not self._alive():
             self._restart()
-        self._send(message)
-        asked = False
-        while not self._poll():
+        given = self._files / f"in-{job}.safetensors"
+        try:
+            if chunks:
+                save(given, {f"{c}.{n}.{kv}": a for c, chunk in enumerate(chunks)
+                             for n, layer in enumerate(chunk.layers)
+                             for kv, a in zip("kv", layer, strict=True)})
+            self._send(("prefill", job, given.name, len(chunks), list(ids), step))
+            return self._wait(job, cancelled)
+        finally:
+            given.unlink(missing_ok=True)
+
+    def _wait(self, job: int, cancelled: Callable[[], bool]) -> tuple[Any, ...]:
+        """Its reply; a cancelled job the process does not stop within CANCEL_WAIT (stuck)
+        is ended with its process, which the next prefill starts again."""
+        asked = 0.0
+        while True:
             if not asked and cancelled():
-                self._send(("cancel", message[1]))
-                asked = True
-        return self._receive()
+                self._send(("cancel", job))
+                asked = time.monotonic()
+            if self._poll():
+                return self._receive()
+            if asked and time.monotonic() - asked > CANCEL_WAIT:
+                log.warning("prefill_process_unresponsive", model=str(self.path))
+                self._end()
+                return ("cancelled", job)
 
     def close(self) -> None:
-        """End the process (a prefill in progress ends with it)."""
+        """End the process (one still loading, or refused, is killed: nothing of it is
+        wanted) and remove its files."""
+        self._closed = True
+        if self._process is not None and not self._loaded:
+            self._process.kill()
         if self._conn is not None:
             with contextlib.suppress(OSError):  # (it may be gone already)
                 self._conn.send(("exit",))
+        self._end(wait=EXIT_WAIT)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _end(self, wait: float = 0.0) -> None:
+        """Close the socket; the process ends (on its own within ``wait``, else killed)."""
+        if self._conn is not None:
             self._conn.close()
             self._conn = None
         if self._process is not None:
             try:
-                self._process.wait(EXIT_WAIT)
+                self._process.wait(wait)
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
     def _alive(self) -> bool:
-        """Whether the process is there to take a prefill (it never writes unasked: a pipe
+        """Whether the process is there to take a prefill (it never writes unasked: a socket
         that reads before a request is one whose other end closed)."""
         if self._process is None or self._conn is None or self._process.poll() is not None:
             return False
@@ -167,156 +239,61 @@ class PrefillProcess:
             return False
 
     def _restart(self) -> None:
-        """A new process after the last one ended (it must load the same files)."""
-        exitcode = self._process.poll() if self._process is not None else None
-        if self._conn is not None:
-            self._conn.close()
-        self.restarts += 1
-        self._start()
+        """A new process in place of one that ended (it must load the runner's files)."""
         if self._expected is None:
-            raise PrefillProcessError("the prefill process was never loaded")
+            raise _failed(PrefillProcessError("it was never loaded"), self.path)
+        self._end()  # (killed and reaped, if it had not quite ended)
+        self.restarts += 1
+        self._loaded = False
+        self._start()
         try:
             self.wait_loaded(self._expected)
-        except ModelFilesMoved as exc:
-            raise PrefillProcessError(f"the prefill process ended (exit code {exitcode}) and "
-                                      "the model's files changed since they were loaded; "
-                                      "the next reload serves them") from exc
+        except ModelFilesMoved:
+            self._stale = ("the model's files changed since the runner loaded them; no "
+                           "prefill runs until the reload that serves them")
+            self._end()
+            raise
+        except PrefillProcessError:
+            self._end()
+            raise
 
     def _send(self, message: tuple[Any, ...]) -> None:
-        assert self._conn is not None
         try:
+            if self._conn is None:
+                raise OSError("no process")
             self._conn.send(message)
         except OSError as exc:
             raise self._gone() from exc
 
     def _poll(self) -> bool:
-        assert self._conn is not None
         try:
+            if self._conn is None:
+                raise OSError("no process")
             return self._conn.poll(POLL)
         except OSError as exc:
             raise self._gone() from exc
 
     def _receive(self) -> tuple[Any, ...]:
-        assert self._conn is not None
         try:
+            if self._conn is None:
+                raise OSError("no process")
             return tuple(self._conn.recv())
         except (EOFError, OSError) as exc:
             raise self._gone() from exc
 
     def _gone(self) -> Gone:
-        exitcode = None
+        code = None
         if self._process is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                exitcode = self._process.wait(1.0)
-        log.warning("prefill_process_ended", exitcode=exitcode, model=str(self.path))
-        return Gone(f"the prefill process ended (exit code {exitcode}); the next prefill "
-                    "starts another")
+                code = self._process.wait(1.0)
+        return Gone(f"the prefill process ended (exit code {code})")
 
 
-class Gone(PrefillProcessError):
-    """The prefill process ended (its pipe closed)."""
-
-
-class ModelFilesMoved(PrefillProcessError):
-    """The prefill process loaded other files than the runner (they changed meanwhile)."""
-
-
-class _Exit(Exception):
-    """The runner said exit while a prefill ran."""
-
-
-def _memory_dir() -> str | None:
-    """/dev/shm where it is a writable directory (Linux), else the usual temporary one."""
-    shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
-
-
-def _save(path: Path, arrays: dict[str, Any]) -> None:
-    import mlx.core as mx
-
-    mx.save_safetensors(str(path), arrays)
-
-
-def _load(path: Path) -> dict[str, Any]:
-    """The arrays of a file, evaluated (read), and the file removed."""
-    import mlx.core as mx
-
+def _files_root() -> str | None:
+    """/dev/shm where it is a writable directory with room, else the usual temporary one."""
     try:
-        arrays = cast(dict[str, Any], mx.load(str(path)))
-        mx.eval(list(arrays.values()))
-        return arrays
-    finally:
-        path.unlink(missing_ok=True)
-
-
-def _layers(path: Path, offsets: Sequence[int]) -> tuple[Any, ...]:
-    """Each layer's (keys, values, offset): the buffers the prefill process's cache held,
-    zeros past the end included."""
-    arrays = _load(path)
-    return tuple((arrays[f"{n}.k"], arrays[f"{n}.v"], offset)
-                 for n, offset in enumerate(offsets))
-
-
-def serve(conn: Connection, path: str, files: Path) -> None:
-    """The prefill process: load the model, then prefill what the runner sends (arrays in
-    ``files``) until it says exit or its end of the socket closes (the runner ended)."""
-    before = snapshot(Path(path))
-    try:
-        from mlx_lm import load
-
-        model = load(path)[0]
-    except Exception as exc:  # the runner's load reports its own error; this says why here
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send(("loaded", before, snapshot(Path(path))))
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):  # the runner's process ended (killed?): tidy up for it
-            shutil.rmtree(files, ignore_errors=True)
-            return
-        if message[0] == "exit":
-            return
-        if message[0] == "prefill":
-            try:
-                conn.send(_prefill(conn, model, files, *message[1:]))
-            except _Exit:
-                return
-            except Exception as exc:  # the generation fails with it; the process goes on
-                conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        # (a "cancel" of a job already answered: nothing to do)
-
-
-def _prefill(conn: Connection, model: Any, files: Path, job: int, given: str, chunks: int,
-             ids: list[int], step: int) -> tuple[Any, ...]:
-    """One prefill, as the lone runner's (`prefix.warming`'s restore, then its chunks)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    if chunks:
-        arrays = _load(files / given)
-        saved = [prefix.Chunk(b"", "", b"", tuple((arrays[f"{c}.{n}.k"], arrays[f"{c}.{n}.v"])
-                                                  for n in range(len(cache))), 0)
-                 for c in range(chunks)]
-        prefix.restore(cache, saved, step)
-    for _ in prefix.prefilling(model, cache, ids, step):
-        while conn.poll():
-            message = conn.recv()
-            if message[0] == "exit":
-                raise _Exit
-            if message[0] == "cancel" and message[1] == job:
-                return ("cancelled", job)
-    if not chunks and not ids:
-        raise ValueError("nothing to prefill")  # (the runner restores or skips such a state)
-    # Whole buffers (contiguous: saved without a copy; the runner's cache is then laid out
-    # as this one, zeros past the end included, with nothing to pad).
-    arrays = {f"{n}.{kv}": a for n, layer in enumerate(cache)
-              for kv, a in (("k", layer.keys), ("v", layer.values))}
-    offsets = [layer.offset for layer in cache]
-    name = f"out-{job}.safetensors"
-    _save(files / name, arrays)
-    return ("done", name, offsets)
-
-
-if __name__ == "__main__":  # the prefill process: `python -m cacheproxy.runners.prefiller`
-    serve(Connection(int(sys.argv[1])), sys.argv[2], Path(sys.argv[3]))  # FD MODEL FILES
+        free = os.statvfs(SHM)
+    except OSError:
+        return None
+    roomy = free.f_bavail * free.f_frsize >= SHM_MIN_FREE
+    return SHM if roomy and os.access(SHM, os.W_OK | os.X_OK) else None

@@ -1,12 +1,13 @@
 """One generation in a slot of the pinned batch: exactly what a lone generation does.
 
-Its prefill runs at batch one in the pinned prefill step, one chunk per call (cold, or from
-a saved prefix as `prefix.warm` brings it), in the chunks ``generate_step`` would use, and
-keeps the last prompt token for the first decode step. Then each decode step hands it its
-row of the batch's logits: its own logits processors (penalties, logit bias, the grammar)
-see its own token history, its own sampler draws from its own key, its own detokenizer and
-assembler turn the token into chunks. Nothing of it is shared with another slot but the
-model.
+Its prefill runs at batch one in the pinned prefill step (cold, or from a saved prefix as
+`prefix.warm` brings it), in the chunks ``generate_step`` would use, and keeps the last
+prompt token for the first decode step: one chunk per call on the prefill thread, or, with a
+prefill process, the whole prefill in one call there (`prefiller`). Then each decode step
+hands it its row of the batch's logits: its own logits processors (penalties, logit bias,
+the grammar) see its own token history, its own sampler draws from its own key, its own
+detokenizer and assembler turn the token into chunks. Nothing of it is shared with another
+slot but the model.
 
 Two threads use a slot, one after the other: the lane's prefill thread until ``decoding``
 is set (or ``failure``), then the lane thread.

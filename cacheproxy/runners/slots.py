@@ -18,7 +18,8 @@ prefill step, oldest slot first) while the lane thread decodes: a prompt, howeve
 never holds up the decode steps of the others. By default the thread hands each prefill to
 the model's prefill process (`prefiller`) and waits: MLX throttles evaluation per process,
 so a prefill evaluated in this one slows every decode step beside it 2-3x, and in a process
-of its own it does not (the thread itself then runs one chunk at a time). A row's bits do
+of its own it does not (with ``prefill_process=False`` the thread evaluates the prefills
+itself, one chunk at a time, oldest slot first). A row's bits do
 not depend on this: every prefill chunk and every decode step is the same computation
 whichever thread or process runs it, and a slot joins the batch only once its whole prefill
 is evaluated.

@@ -165,20 +165,44 @@ async def test_each_load_has_its_prefill_process_and_a_dead_one_is_started_again
     assert slots_runner.lane_state()["prefill_restarts"] == 1  # (what operators see)
 
 
-async def test_prefills_on_a_thread_answer_as_prefills_in_the_process(
-        slots_runner: MlxRunner) -> None:
+SYSTEM = ("You answer questions about animals of the forest, the river and the field: what "
+          "they eat, where they live, how big they are and what sounds they make. Keep every "
+          "answer short, plain and true, in one or two sentences, for a child of eight.")
+
+
+def _long_request(runner: MlxRunner, question: str) -> CanonicalRequest:
+    body = {"messages": [{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": question}],
+            "max_tokens": 12, "logprobs": True, "top_logprobs": 3}
+    return parse(body, "chat", runner.defaults(), SamplingMode.FORCE_GREEDY).request
+
+
+async def test_prefills_on_a_thread_answer_as_prefills_in_the_process() -> None:
     """`--no-prefill-process`: the prefill on a thread beside the decode steps, no second
-    process; the same computation, so the same answers (it is not in the fingerprint)."""
-    threaded = MlxRunner(MlxOptions(model=str(BUNDLED_MODEL), model_id=DEMO_MODEL_ID,
-                                    decode_slots=SLOTS, prefill_process=False))
-    await threaded.start()
+    process; the same computation, so the same answers, logprobs and saved prefix chunks
+    (not in the fingerprint). A small step: prompts of several chunks, the later ones
+    continued from the first one's saved chunks (the slot's code of both paths: the store's
+    lookup, the restore, the chunks run, the chunks saved)."""
+    runners = [MlxRunner(MlxOptions(model=str(BUNDLED_MODEL), model_id=DEMO_MODEL_ID,
+                                    decode_slots=SLOTS, prefill_step=32, prefill_process=apart))
+               for apart in (True, False)]
+    for runner in runners:
+        await runner.start()
     try:
-        assert "prefill_restarts" not in threaded.lane_state()  # (no process to restart)
-        assert threaded.fingerprint() == slots_runner.fingerprint()
-        mine = await asyncio.gather(*(_output(threaded.generate(_request(threaded, q, 16)))
-                                      for q in QUESTIONS[:3]))
-        theirs = await asyncio.gather(*(
-            _output(slots_runner.generate(_request(slots_runner, q, 16))) for q in QUESTIONS[:3]))
-        assert [o.chunks for o in mine] == [o.chunks for o in theirs]
+        assert "prefill_restarts" not in runners[1].lane_state()  # (no process to restart)
+        assert runners[0].fingerprint() == runners[1].fingerprint()
+        outputs: list[list[Output]] = []
+        for runner in runners:
+            first = await _output(runner.generate(_long_request(runner, QUESTIONS[0])))
+            rest = await asyncio.gather(*(_output(runner.generate(_long_request(runner, q)))
+                                          for q in QUESTIONS[1:4]))
+            outputs.append([first, *rest])
+        apart, here = outputs
+        assert apart == here
+        assert all(o.chunks[0].logprobs for o in apart)  # (logprobs compared, to the bit)
+        states = [r.lane_state() for r in runners]
+        assert states[0]["prefix_entries"] == states[1]["prefix_entries"] >= 3
+        assert states[0]["prefix_bytes"] == states[1]["prefix_bytes"]
     finally:
-        await threaded.aclose()
+        for runner in runners:
+            await runner.aclose()

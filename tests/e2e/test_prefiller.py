@@ -1,13 +1,17 @@
 """The prefill process of `--decode-slots S > 1` (`runners.prefiller`), with the demo model:
 it hands back, bit for bit and in the same buffer layout, the cache a prefill in this process
 makes (cold, and from saved prefix chunks); a cancelled prefill ends early; a failed one
-fails alone; a process that dies fails the prefill it ran and the next one starts another."""
+fails alone; a prefill whose process dies runs once more in a new one (cold or from saved
+chunks), and fails if that one dies too; a process that comes back on changed files is
+refused, and no prefill runs until a reload."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -102,53 +106,79 @@ def test_a_prefill_apart_from_saved_prefix_chunks_is_the_cold_one(
 def test_a_cancelled_prefill_hands_back_nothing_and_the_next_runs(
         model: Any, process: PrefillProcess) -> None:
     ids = _prompt(5 * STEP)
-    assert process.prefill([], ids, STEP, lambda: True) is None  # (asked in its first of 5 chunks)
+    assert process.prefill([], ids, STEP, lambda: True) is None  # (asked before chunk 2 of 5)
     assert _same(_apart(process, model, _prompt(200))[0], _here(model, _prompt(200)))
 
 
 def test_a_prefill_the_process_cannot_run_fails_alone(model: Any,
                                                       process: PrefillProcess) -> None:
     pid = process.pid
-    with pytest.raises(PrefillProcessError, match="failed: ValueError"):
+    with pytest.raises(PrefillProcessError) as failed:
         process.prefill([], _prompt(100), 0, lambda: False)  # a step of 0: range() refuses
+    assert failed.value.detail.startswith("a prefill failed: ValueError")
+    assert "ValueError" not in failed.value.message  # (the client sees no internals)
     assert process.pid == pid  # the same process goes on
     assert _same(_apart(process, model, _prompt(100))[0], _here(model, _prompt(100)))
 
 
-def test_a_process_that_dies_is_started_again_and_one_that_dies_twice_fails_the_prefill(
+def test_a_prefill_whose_process_dies_runs_again_and_fails_if_it_dies_twice(
         model: Any) -> None:
     process = PrefillProcess(BUNDLED_MODEL)
     try:
         process.wait_loaded(snapshot(BUNDLED_MODEL))
         killed: list[int] = []
+        asked: list[int] = []
 
-        def kill(times: int) -> bool:  # (polled while the prefill runs: it dies mid-prefill)
-            if len(killed) < times and process.pid not in killed:
-                killed.append(process.pid or 0)
-                os.kill(process.pid or 0, signal.SIGKILL)
+        def kill(times: int) -> bool:  # (asked every 20 ms while a prefill runs)
+            asked.append(1)
+            if len(asked) > 1 and len(killed) < times and process.pid not in killed:
+                killed.append(process.pid or 0)  # (from the second look on: the process
+                os.kill(process.pid or 0, signal.SIGKILL)  # has read what it was handed)
             return False
 
-        # Once: the prefill runs again in a new process and hands back the same state.
-        assert _same(_apart(process, model, _prompt(5 * STEP), cancelled=lambda: kill(1))[0],
-                     _here(model, _prompt(5 * STEP)))
-        assert len(killed) == 1 and process.pid not in killed
-        # Twice: the prefill fails, saying why; the next one starts another process.
-        with pytest.raises(PrefillProcessError, match=r"ended \(exit code -9\)"):
-            process.prefill([], _prompt(5 * STEP), STEP, lambda: kill(3))
-        assert len(killed) == 3
-        assert _same(_apart(process, model, _prompt(150))[0], _here(model, _prompt(150)))
-        assert process.pid not in killed
+        # Once, from saved chunks: it runs again in a new process (the chunks handed again)
+        # and hands back the cold state. (A prompt of 24 chunks: still running at 20 ms.)
+        store = prefix.PrefixStore(STEP, 1 << 30)
+        _here(model, _prompt(3 * STEP + 20, head=2 * STEP + 5), store)
+        second = _prompt(24 * STEP + 9, head=2 * STEP + 5)
+        apart, reused = _apart(process, model, second, store, cancelled=lambda: kill(1))
+        assert reused == 2 * STEP and _same(apart, _here(model, second))
+        assert len(killed) == 1 and process.pid not in killed and process.restarts == 1
+        # Twice: the prefill fails, saying why in the log (the request: a plain message).
+        asked.clear()
+        with pytest.raises(PrefillProcessError) as failed:
+            process.prefill([], _prompt(24 * STEP), STEP, lambda: kill(3))
+        assert failed.value.detail == "the prefill process ended (exit code -9)"
+        assert len(killed) == 3 and process.restarts == 2
     finally:
         process.close()
 
 
-def test_the_process_refuses_files_other_than_the_runners() -> None:
-    process = PrefillProcess(BUNDLED_MODEL)
+def test_a_process_that_comes_back_on_changed_files_is_refused_until_a_reload(
+        tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    shutil.copytree(BUNDLED_MODEL, model_dir)
+    process = PrefillProcess(model_dir)
     try:
-        moved = dict(snapshot(BUNDLED_MODEL))
+        moved = dict(snapshot(model_dir))
         name = next(iter(moved))
         moved[name] = (moved[name][0] + 1, *moved[name][1:])  # (as if rewritten meanwhile)
-        with pytest.raises(ModelFilesMoved, match="changed while the prefill process"):
-            process.wait_loaded(moved)
+        with pytest.raises(ModelFilesMoved, match="prefill process failed"):
+            process.wait_loaded(moved)  # at the load: refused
+    finally:
+        process.close()
+    process = PrefillProcess(model_dir)
+    try:
+        process.wait_loaded(snapshot(model_dir))
+        os.kill(process.pid or 0, signal.SIGKILL)
+        config = model_dir / "config.json"
+        config.write_text(config.read_text())  # the same bytes, a new file identity
+        with pytest.raises(ModelFilesMoved):  # after a death: the new one is refused
+            process.prefill([], _prompt(100), STEP, lambda: False)
+        restarts = process.restarts
+        with pytest.raises(PrefillProcessError) as failed:  # and no prefill runs after it
+            process.prefill([], _prompt(100), STEP, lambda: False)
+        assert failed.value.detail.startswith("the model's files changed since the runner")
+        assert process.restarts == restarts  # (no process started for it)
     finally:
         process.close()

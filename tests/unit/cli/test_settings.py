@@ -37,3 +37,13 @@ def test_a_model_path_with_an_equals_sign_is_a_path_not_an_id() -> None:
         served("x=,y=/m")
     with pytest.raises(ValueError, match="'='"):
         served("=")
+
+
+def test_the_prefill_process_is_on_unless_the_flag_or_the_environment_turns_it_off() -> None:
+    from cacheproxy.cli.main import _parser
+
+    assert build_settings({}, {}).prefill_process is True
+    assert build_settings({}, {"CACHEPROXY_PREFILL_PROCESS": "false"}).prefill_process is False
+    args = vars(_parser().parse_args(["serve", "--no-prefill-process"]))
+    flags = {k: v for k, v in args.items() if k != "command"}  # (as `run` passes them)
+    assert build_settings(flags, {}).prefill_process is False

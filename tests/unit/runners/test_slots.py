@@ -50,13 +50,3 @@ def test_decode_slots_comes_from_the_flag_or_the_environment_and_is_bounded() ->
         build_settings({"decode_slots": 8, "upstream": ["http://127.0.0.1:1"],
                         "model_dir": "/tmp"}, {})
 
-
-def test_the_prefill_process_is_on_unless_the_flag_or_the_environment_turns_it_off() -> None:
-    from cacheproxy.cli.main import _parser
-
-    assert build_settings({}, {}).prefill_process is True
-    assert build_settings({}, {"CACHEPROXY_PREFILL_PROCESS": "false"}).prefill_process is False
-    args = vars(_parser().parse_args(["serve", "--no-prefill-process"]))
-    flags = {k: v for k, v in args.items() if k != "command"}  # (as `run` passes them)
-    assert build_settings(flags, {}).prefill_process is False
-    assert "prefill_process" not in fp.compute("m", BUNDLED_MODEL).fields()  # same answers
