@@ -50,6 +50,7 @@ POLL = 0.02  # seconds between two looks at a waiting generation's cancellation
 CANCEL_WAIT = 10.0  # seconds a cancelled prefill may take to stop before its process is killed
 EXIT_WAIT = 5.0  # seconds a closing process has to end before it is killed
 SHM = "/dev/shm"
+PREFIX = "cacheproxy-prefill-"  # then the server's pid: a dead server's directory is swept
 SHM_MIN_FREE = 1 << 30  # below this free in /dev/shm (Docker gives 64 MB), a disk directory
 
 log = structlog.get_logger("cacheproxy.runners")
@@ -92,7 +93,9 @@ class PrefillProcess:
         self._stale = ""  # why no prefill may run any more (the files changed): until a reload
         self._closed = False
         self.restarts = 0  # processes started again after one ended (the lane shows it)
-        self._dir = Path(tempfile.mkdtemp(prefix="cacheproxy-prefill-", dir=_files_root()))
+        root = _files_root()
+        sweep(Path(root or tempfile.gettempdir()))
+        self._dir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root))
         self._files = self._dir
         try:
             self._start()
@@ -287,6 +290,21 @@ class PrefillProcess:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 code = self._process.wait(1.0)
         return Gone(f"the prefill process ended (exit code {code})")
+
+
+def sweep(root: Path) -> None:
+    """Remove the files directories of servers that are gone (killed with their prefill
+    process, as a process group's SIGKILL does: neither could tidy up)."""
+    for path in root.glob(f"{PREFIX}*-*"):
+        pid = path.name.removeprefix(PREFIX).split("-")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass  # (another user's live process)
 
 
 def _files_root() -> str | None:

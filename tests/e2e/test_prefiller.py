@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,13 @@ import pytest
 
 from cacheproxy.runners import prefix
 from cacheproxy.runners.demo.model import BUNDLED_MODEL
-from cacheproxy.runners.prefiller import ModelFilesMoved, PrefillProcess, PrefillProcessError
+from cacheproxy.runners.prefiller import (
+    PREFIX,
+    ModelFilesMoved,
+    PrefillProcess,
+    PrefillProcessError,
+    sweep,
+)
 from cacheproxy.runners.watcher import snapshot
 
 STEP = 64  # a small pinned step: several chunks and a part chunk in a short prompt
@@ -182,3 +190,17 @@ def test_a_process_that_comes_back_on_changed_files_is_refused_until_a_reload(
         assert process.restarts == restarts  # (no process started for it)
     finally:
         process.close()
+
+
+def test_a_gone_servers_files_are_swept_and_a_live_ones_kept(tmp_path: Path) -> None:
+    """A server killed with its prefill process (a process group's SIGKILL) leaves its files
+    directory; the next prefill process started on the machine removes it."""
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)
+    gone = tmp_path / f"{PREFIX}{ended.stdout.strip()}-abc"
+    live = tmp_path / f"{PREFIX}{os.getpid()}-def"
+    other = tmp_path / "cacheproxy-prefill-notapid-ghi"
+    for path in (gone, live, other):
+        (path / "0").mkdir(parents=True)
+    sweep(tmp_path)
+    assert not gone.exists() and live.exists() and other.exists()
