@@ -234,8 +234,9 @@ class PrefillProcess:
     def _alive(self) -> bool:
         """Whether the process is there to take a prefill (it never writes unasked: a socket
         that reads before a request is one whose other end closed)."""
-        if self._process is None or self._conn is None or self._process.poll() is not None:
-            return False
+        if not self._loaded or self._process is None or self._conn is None or \
+                self._process.poll() is not None:
+            return False  # (one refused at its load is replaced too: it is checked again)
         try:
             return not self._conn.poll(0)
         except OSError:
