@@ -158,16 +158,26 @@ def warm(store: PrefixStore, model: Any, cache: list[Any], ids: Sequence[int],
     return drain(warming(store, model, cache, ids, scope))
 
 
+def saved(store: PrefixStore, ids: Sequence[int],
+          scope: str = "") -> tuple[int, list[bytes], list[Chunk]]:
+    """The largest multiple of the step a cold prefill of ``ids`` passes through (0: none),
+    the chain hashes up to it, and the saved chunks of ``scope``'s longest saved prefix of
+    them (marked as used)."""
+    aligned = (len(ids) - 1) // store.step * store.step  # generate_step keeps the last back
+    if aligned <= 0:
+        return 0, [], []
+    chain = store.chain(ids, aligned, scope)
+    return aligned, chain, store.longest(ids, chain, scope)
+
+
 def warming(store: PrefixStore, model: Any, cache: list[Any],
             ids: Sequence[int], scope: str = "") -> Generator[int, None, tuple[int, int]]:
     """`warm`, one chunk of the model at a time: it yields each chunk's size before it runs
     it (so the one that runs the last chunk ends); its value is warm's."""
     step = store.step
-    aligned = (len(ids) - 1) // step * step  # generate_step keeps the last token back
+    aligned, chain, found = saved(store, ids, scope)
     if aligned <= 0:
         return 0, 0
-    chain = store.chain(ids, aligned, scope)
-    found = store.longest(ids, chain, scope)
     reused = len(found) * step
     if found:
         restore(cache, found, step)

@@ -113,11 +113,9 @@ class Slot:
 
         plan, ids, scope = self.plan, self.plan.ids, self.generation.reuse_scope
         end = len(ids) - 1  # as generate_step: the last token is kept back
-        store, chain, found = plan.prefixes, [], []
-        aligned = end // plan.step * plan.step if store is not None else 0
-        if store is not None and aligned > 0:
-            chain = store.chain(ids, aligned, scope)
-            found = store.longest(ids, chain, scope)
+        store = plan.prefixes
+        aligned, chain, found = prefix.saved(store, ids, scope) if store is not None else \
+            (0, [], [])
         reused = len(found) * plan.step
         self.generation.push(Prefill(reused, len(ids)))
         if end <= reused:  # nothing to run: the saved prefix (if any) is the whole state

@@ -68,10 +68,7 @@ def _apart(process: PrefillProcess, model: Any, ids: list[int],
     """The same through the process (from the longest saved prefix); (cache, reused)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    found: list[prefix.Chunk] = []
-    if store is not None:
-        aligned = (len(ids) - 1) // STEP * STEP
-        found = store.longest(ids, store.chain(ids, aligned))
+    found = prefix.saved(store, ids)[2] if store is not None else []
     reused = len(found) * STEP
     layers = process.prefill(found, ids[reused:-1], STEP, cancelled)
     assert layers is not None
