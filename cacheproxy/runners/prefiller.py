@@ -263,27 +263,26 @@ class PrefillProcess:
 
     def _send(self, message: tuple[Any, ...]) -> None:
         try:
-            if self._conn is None:
-                raise OSError("no process")
-            self._conn.send(message)
+            self._connection().send(message)
         except OSError as exc:
             raise self._gone() from exc
 
     def _poll(self) -> bool:
         try:
-            if self._conn is None:
-                raise OSError("no process")
-            return self._conn.poll(POLL)
+            return self._connection().poll(POLL)
         except OSError as exc:
             raise self._gone() from exc
 
     def _receive(self) -> tuple[Any, ...]:
         try:
-            if self._conn is None:
-                raise OSError("no process")
-            return tuple(self._conn.recv())
+            return tuple(self._connection().recv())
         except (EOFError, OSError) as exc:
             raise self._gone() from exc
+
+    def _connection(self) -> Connection:
+        if self._conn is None:  # (ended: by `_end`, after a stuck cancel or a failed restart)
+            raise self._gone()
+        return self._conn
 
     def _gone(self) -> Gone:
         code = None
