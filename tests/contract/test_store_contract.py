@@ -1098,7 +1098,13 @@ async def test_a_purge_awaits_its_pause_between_two_steps_only(
             left.append(False)
 
         assert await store.purge_namespace("ns", pause=pause) == count
-        assert len(left) >= 2 and all(left)  # between steps: something was always left
+        assert len(left) >= 2 and left[:2] == [True, True]  # between steps, not at the end
+        if store_kind.startswith("redis"):
+            # SCAN's cursor may have buckets to visit after the last key went: the steps
+            # that find nothing still rest, so the last pauses may see the namespace gone.
+            assert left == sorted(left, reverse=True)
+        else:
+            assert all(left)  # between steps: something was always left
         assert await store.get("ns/00000") is None and await store.get("other/1") == b"kept"
     finally:
         await store.aclose()
